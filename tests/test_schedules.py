@@ -1,0 +1,562 @@
+"""Schedules as data: task strings, the seed tutorial's task lists (golden), the shape of every
+built-in schedule, and the validator's verdicts and error messages."""
+
+import pytest
+
+from jaxpp_integration.schedules import (
+    SCHEDULE_NAMES,
+    DualPipeV,
+    Eager1F1B,
+    FusedTask,
+    GPipe,
+    Interleaved1F1B,
+    Phase,
+    Schedule,
+    ScheduleError,
+    Std1F1B,
+    Task,
+    UserSchedule,
+    ZeroBubble,
+    format_grid,
+    schedule_from_name,
+    validate_tasks,
+)
+
+F, B, BI, BW = Phase.FWD, Phase.BWD, Phase.BWD_I, Phase.BWD_W
+
+
+def names(row):
+    return [str(item) for item in row]
+
+
+def fused(stage, mb):
+    return f"FusedTask(fwd_{stage}__{mb}, bwd_{stage}__{mb})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Task vocabulary
+# ---------------------------------------------------------------------------------------------
+
+
+def test_task_strings():
+    assert str(Task(3, 0, F)) == "fwd_3__0"
+    assert str(Task(3, 0, B)) == "bwd_3__0"
+    assert str(Task(3, 0, BI)) == "bwdI_3__0"
+    assert str(Task(3, 0, BW)) == "bwdW_3__0"
+    assert repr(Task(12, 7, F)) == "fwd_12__7"
+    pair = FusedTask((Task(3, 0, F), Task(3, 0, B)))
+    assert str(pair) == "FusedTask(fwd_3__0, bwd_3__0)"
+    assert list(pair) == [Task(3, 0, F), Task(3, 0, B)]
+    assert len(pair) == 2
+
+
+def test_tasks_are_hashable_values():
+    assert Task(1, 2, F) == Task(1, 2, F)
+    assert len({Task(1, 2, F), Task(1, 2, F), Task(1, 2, B)}) == 2
+    assert FusedTask([Task(0, 0, F)]) == FusedTask((Task(0, 0, F),))  # list normalised
+    with pytest.raises(AttributeError):
+        Task(1, 2, F).stage = 3
+    with pytest.raises(ScheduleError, match="one or more Task"):
+        FusedTask(())
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden task lists (seed tutorial, plus the ranks it does not print)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_seed_interleaved_4_stages_rank_2():
+    got = names(Interleaved1F1B(num_stages=4, mpmd_dim=4).tasks(4)[2])
+    assert got == "fwd_2__0 fwd_2__1 fwd_2__2 bwd_2__0 fwd_2__3 bwd_2__1 bwd_2__2 bwd_2__3".split()
+
+
+def test_seed_interleaved_4_stages_rank_3_is_fused():
+    got = names(Interleaved1F1B(num_stages=4, mpmd_dim=4).tasks(4)[3])
+    assert got == [fused(3, k) for k in range(4)]
+
+
+def test_seed_interleaved_8_stages_rank_0():
+    got = names(Interleaved1F1B(num_stages=8, mpmd_dim=4).tasks(4)[0])
+    expected = (
+        [f"fwd_0__{k}" for k in range(4)]
+        + [f"fwd_4__{k}" for k in range(4)]
+        + [f"bwd_4__{k}" for k in range(4)]
+        + [f"bwd_0__{k}" for k in range(4)]
+    )
+    assert got == expected
+
+
+def test_seed_interleaved_8_stages_rank_3():
+    got = names(Interleaved1F1B(num_stages=8, mpmd_dim=4).tasks(4)[3])
+    expected = (
+        [f"fwd_3__{k}" for k in range(4)]
+        + [fused(7, k) for k in range(4)]
+        + [f"bwd_3__{k}" for k in range(4)]
+    )
+    assert got == expected
+
+
+def test_interleaved_other_ranks_golden():
+    four = Interleaved1F1B(4, 4).tasks(4)
+    for rank in (0, 1):
+        assert names(four[rank]) == [f"fwd_{rank}__{k}" for k in range(4)] + [
+            f"bwd_{rank}__{k}" for k in range(4)
+        ]
+    eight = Interleaved1F1B(8, 4).tasks(4)
+    assert names(eight[1]) == (
+        [f"fwd_1__{k}" for k in range(4)]
+        + [f"fwd_5__{k}" for k in range(4)]
+        + [f"bwd_5__{k}" for k in range(4)]
+        + [f"bwd_1__{k}" for k in range(4)]
+    )
+    assert names(eight[2]) == (
+        [f"fwd_2__{k}" for k in range(4)]
+        + "fwd_6__0 fwd_6__1 fwd_6__2 bwd_6__0 fwd_6__3 bwd_6__1 bwd_6__2 bwd_6__3".split()
+        + [f"bwd_2__{k}" for k in range(4)]
+    )
+
+
+def test_interleaved_without_fusion_splits_the_pair():
+    row = Interleaved1F1B(4, 4, fuse_steady_state=False).tasks(4)[3]
+    assert names(row) == [f"{ph}_3__{k}" for k in range(4) for ph in ("fwd", "bwd")]
+    assert repr(Interleaved1F1B(4, 4, fuse_steady_state=False)).endswith("fuse_steady_state=False)")
+
+
+def test_interleaved_two_rounds_rank_0():
+    # m = 2p: microbatches enter each chunk in groups of p (Megatron's depth-first order).
+    row = Interleaved1F1B(4, 2).tasks(4)[0]
+    assert (
+        names(row)
+        == (
+            "fwd_0__0 fwd_0__1 fwd_2__0 fwd_2__1 fwd_0__2 "
+            "bwd_2__0 fwd_0__3 bwd_2__1 fwd_2__2 bwd_0__0 fwd_2__3 bwd_0__1 "
+            "bwd_2__2 bwd_2__3 bwd_0__2 bwd_0__3"
+        ).split()
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape of the single-chunk schedules
+# ---------------------------------------------------------------------------------------------
+
+
+def forwards_before_first_backward(row):
+    count = 0
+    for item in row:
+        if any(t.phase is not F for t in iter_items([item])):
+            return count
+        count += 1
+    return count
+
+
+def iter_items(row):
+    for item in row:
+        yield from (item.tasks if isinstance(item, FusedTask) else (item,))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16])
+def test_warmup_counts(p, m):
+    for rank in range(p):
+        gpipe, std, eager = GPipe(p).tasks(m), Std1F1B(p).tasks(m), Eager1F1B(p).tasks(m)
+        assert forwards_before_first_backward(gpipe[rank]) == m
+        # 1F1B: p-1-r warm-up forwards, then the steady state starts with one more forward.
+        assert forwards_before_first_backward(std[rank]) == min(m, p - rank)
+        assert forwards_before_first_backward(eager[rank]) == min(m, 2 * (p - rank))
+
+
+def test_eager_rank_0_of_4_runs_7_forwards_before_its_first_backward():
+    # 7 warm-up forwards; the steady state then begins with forward 7, backward 0.
+    row = Eager1F1B(4).tasks(16)[0]
+    assert names(row[:9]) == [f"fwd_0__{k}" for k in range(8)] + ["bwd_0__0"]
+
+
+def test_gpipe_and_1f1b_order():
+    assert (
+        names(GPipe(2).tasks(3)[1])
+        == "fwd_1__0 fwd_1__1 fwd_1__2 bwd_1__0 bwd_1__1 bwd_1__2".split()
+    )
+    assert names(Std1F1B(3).tasks(4)[0]) == (
+        "fwd_0__0 fwd_0__1 fwd_0__2 bwd_0__0 fwd_0__3 bwd_0__1 bwd_0__2 bwd_0__3".split()
+    )
+
+
+def test_zero_bubble_phases_and_order():
+    sched = ZeroBubble(3)
+    assert sched.split_backward is True
+    assert Std1F1B(3).split_backward is False
+    rows = sched.tasks(4)
+    for row in rows:
+        assert {t.phase for t in iter_items(row)} == {F, BI, BW}
+    # Rank 2 (last) defers its first two weight gradients.
+    assert (
+        names(rows[2])
+        == (
+            "fwd_2__0 bwdI_2__0 fwd_2__1 bwdI_2__1 fwd_2__2 bwdI_2__2 bwdW_2__0 "
+            "fwd_2__3 bwdI_2__3 bwdW_2__1 bwdW_2__2 bwdW_2__3"
+        ).split()
+    )
+    assert names(rows[0])[:4] == "fwd_0__0 fwd_0__1 fwd_0__2 bwdI_0__0".split()
+
+
+def test_dualpipev_placement_and_requirements():
+    sched = DualPipeV(4)
+    assert sched.num_stages == 8
+    assert [sched.stage_to_rank(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert sched.rank_stages(0) == (0, 7)
+    assert sched.rank_stages(3) == (3, 4)
+    with pytest.raises(ScheduleError, match="at least 2 \\* mpmd_dim = 8 microbatches"):
+        sched.tasks(7)
+    assert repr(sched) == "DualPipeV(mpmd_dim=4)"
+    assert repr(DualPipeV(2, split_backward=False)) == "DualPipeV(mpmd_dim=2, split_backward=False)"
+    no_split = DualPipeV(2, split_backward=False).tasks(4)
+    assert {t.phase for row in no_split for t in iter_items(row)} == {F, B}
+    pairs = DualPipeV(2, fuse_overlap=True).tasks(6)
+    assert any(isinstance(item, FusedTask) for row in pairs for item in row)
+
+
+def test_placement_and_rank_stages():
+    sched = Interleaved1F1B(12, 4)
+    assert sched.virtual_stages == 3
+    assert sched.rank_stages(1) == (1, 5, 9)
+    assert sched.stage_to_rank(10) == 2
+    with pytest.raises(ValueError, match="stage 12 out of range"):
+        sched.stage_to_rank(12)
+    assert Std1F1B(4).rank_stages(2) == (2,)
+
+
+def test_reprs_and_hashing():
+    assert repr(Std1F1B(mpmd_dim=4)) == "Std1F1B(mpmd_dim=4)"
+    assert repr(Interleaved1F1B(num_stages=8, mpmd_dim=4)) == (
+        "Interleaved1F1B(num_stages=8, mpmd_dim=4)"
+    )
+    assert repr(GPipe(2)) == "GPipe(mpmd_dim=2)"
+    assert repr(ZeroBubble(2)) == "ZeroBubble(mpmd_dim=2)"
+    assert Std1F1B(4) == Std1F1B(4) and hash(Std1F1B(4)) == hash(Std1F1B(4))
+    assert Std1F1B(4) != GPipe(4)
+    assert len({Interleaved1F1B(8, 4), Interleaved1F1B(8, 4), DualPipeV(4)}) == 2
+    with pytest.raises(AttributeError):
+        Std1F1B(4).mpmd_dim = 2
+
+
+def test_constructor_errors():
+    with pytest.raises(ScheduleError, match="num_stages must be a multiple of mpmd_dim"):
+        Interleaved1F1B(num_stages=6, mpmd_dim=4)
+    with pytest.raises(ScheduleError, match="must be a multiple of mpmd_dim=4; use 8"):
+        Interleaved1F1B(8, 4).tasks(6)
+    with pytest.raises(ScheduleError, match="mpmd_dim must be an int >= 1"):
+        Std1F1B(0)
+    with pytest.raises(ScheduleError, match="need an int >= 1"):
+        Std1F1B(2).tasks(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every built-in schedule passes the validator
+# ---------------------------------------------------------------------------------------------
+
+TABLE = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 5, 7, 8, 16)]
+
+
+@pytest.mark.parametrize(("p", "m"), TABLE)
+def test_single_chunk_schedules_validate(p, m):
+    for sched in (GPipe(p), Std1F1B(p), Eager1F1B(p), ZeroBubble(p)):
+        sched.validate(m)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_interleaved_validates(p, v, rounds):
+    for fuse in (True, False):
+        Interleaved1F1B(v * p, p, fuse_steady_state=fuse).validate(rounds * p)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("extra", [0, 1, 3, 2 * 8])
+def test_dualpipev_validates(p, extra):
+    m = 2 * p + extra
+    for split in (True, False):
+        for fuse in (True, False):
+            DualPipeV(p, split_backward=split, fuse_overlap=fuse).validate(m)
+
+
+def test_every_schedule_runs_each_stage_microbatch_phase_once():
+    for sched, m in [(Interleaved1F1B(12, 4), 8), (DualPipeV(3), 7), (ZeroBubble(5), 9)]:
+        all_tasks = [t for row in sched.tasks(m) for t in iter_items(row)]
+        assert len(all_tasks) == len(set(all_tasks))
+        for t in all_tasks:
+            assert sched.stage_to_rank(t.stage) in range(sched.mpmd_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule_from_name
+# ---------------------------------------------------------------------------------------------
+
+
+def test_schedule_from_name():
+    assert schedule_from_name("gpipe", 4, 4) == GPipe(4)
+    assert schedule_from_name("1f1b", 4, 4) == Std1F1B(4)
+    assert schedule_from_name("eager_1f1b", 4, 4) == Eager1F1B(4)
+    assert schedule_from_name("interleaved_1f1b", 8, 4) == Interleaved1F1B(8, 4)
+    assert schedule_from_name("zero_bubble", 2, 2) == ZeroBubble(2)
+    assert schedule_from_name("dualpipev", 8, 4) == DualPipeV(4)
+    assert set(SCHEDULE_NAMES) == {
+        "gpipe",
+        "1f1b",
+        "eager_1f1b",
+        "interleaved_1f1b",
+        "zero_bubble",
+        "dualpipev",
+    }
+    for name in SCHEDULE_NAMES:
+        stages = 8 if name == "dualpipev" else 4
+        assert isinstance(schedule_from_name(name, stages, 4), Schedule)
+
+
+def test_schedule_from_name_errors():
+    with pytest.raises(ScheduleError, match="unknown pipeline schedule 'pipedream'; valid names: "):
+        schedule_from_name("pipedream", 4, 4)
+    with pytest.raises(ScheduleError, match="gpipe, 1f1b, eager_1f1b, interleaved_1f1b"):
+        schedule_from_name("pipedream", 4, 4)
+    with pytest.raises(ScheduleError, match=r"num_stages \(8\) must equal mpmd_dim \(4\)"):
+        schedule_from_name("1f1b", 8, 4)
+    with pytest.raises(ScheduleError, match=r"num_stages \(4\) must be 2 \* mpmd_dim \(8\)"):
+        schedule_from_name("dualpipev", 4, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# UserSchedule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_user_schedule_from_lists():
+    rows = Std1F1B(3).tasks(4)
+    sched = UserSchedule(rows, num_stages=3, mpmd_dim=3)
+    assert sched.tasks(4) == rows
+    assert sched.split_backward is False
+    sched.validate(4)
+    assert sched == UserSchedule(rows, 3, 3) and hash(sched) == hash(UserSchedule(rows, 3, 3))
+    with pytest.raises(ScheduleError, match="lists tasks for 4 microbatches but 8 were asked"):
+        sched.tasks(8)
+    with pytest.raises(AttributeError, match="immutable"):
+        sched.mpmd_dim = 2
+
+
+def test_user_schedule_split_backward_is_inferred():
+    sched = UserSchedule(ZeroBubble(2).tasks(3), 2, 2)
+    assert sched.split_backward is True
+
+
+def test_user_schedule_from_callable_and_placement():
+    v_shape = DualPipeV(2)
+    sched = UserSchedule(v_shape.tasks, 4, 2, stage_to_rank=[0, 1, 1, 0], split_backward=True)
+    assert sched.tasks(5) == v_shape.tasks(5)
+    sched.validate(5)
+    assert sched.rank_stages(1) == (1, 2)
+    looped = UserSchedule(v_shape.tasks, 4, 2, split_backward=True)  # default s % 2: wrong here
+    with pytest.raises(ScheduleError, match="but stage_to_rank\\(3\\) = 1; move it to rank 1"):
+        looped.validate(4)
+
+
+def test_user_schedule_rejects_a_broken_list_at_construction():
+    rows = Std1F1B(2).tasks(2)
+    rows[1] = rows[1][::-1]
+    with pytest.raises(ScheduleError, match="invalid schedule: bwd_1__1 on rank 1 \\(step 0\\)"):
+        UserSchedule(rows, 2, 2)
+
+
+def test_user_schedule_bad_placement():
+    with pytest.raises(ScheduleError, match="stage_to_rank\\(1\\) = 5 is not a rank"):
+        UserSchedule(lambda n: [], 2, 2, stage_to_rank=[0, 5])
+
+
+# ---------------------------------------------------------------------------------------------
+# Validator: each kind of error, its one-line reason and the marked grid
+# ---------------------------------------------------------------------------------------------
+
+
+def check(rows, num_stages, mpmd_dim, m, split=False, stage_to_rank=None):
+    with pytest.raises(ScheduleError) as info:
+        validate_tasks(rows, num_stages, mpmd_dim, m, split, stage_to_rank)
+    return str(info.value)
+
+
+def grid_lines(message):
+    return message.splitlines()[1:]
+
+
+def test_same_rank_dependency_order():
+    rows = Std1F1B(3).tasks(3)
+    rows[1].remove(Task(1, 0, B))
+    rows[1].insert(0, Task(1, 0, B))
+    msg = check(rows, 3, 3, 3)
+    first = msg.splitlines()[0]
+    assert first == (
+        "invalid schedule: bwd_1__0 on rank 1 (step 0) runs before fwd_1__0 (step 1) which it "
+        "needs; reorder rank 1's list"
+    )
+    lines = grid_lines(msg)
+    assert lines[0].split() == ["|"] + [w for i in range(6) for w in ("step", str(i))]
+    assert lines[2].startswith("rank 1 | >bwd_1__0< fwd_1__0 ")
+    assert lines[1].startswith("rank 0 |  fwd_0__0  fwd_0__1 ")
+    assert len(lines) == 5  # header, 3 ranks, legend
+    assert ">bwd_1__0<" in msg and msg.count(">") == 2  # one marked cell plus the legend
+
+
+def test_backward_needs_the_next_stage_backward_on_the_same_rank():
+    # Two stages on one rank: bwd_0 listed before bwd_1 of the same microbatch.
+    rows = [[Task(0, 0, F), Task(1, 0, F), Task(0, 0, B), Task(1, 0, B)]]
+    msg = check(rows, 2, 1, 1)
+    assert msg.splitlines()[0] == (
+        "invalid schedule: bwd_0__0 on rank 0 (step 2) runs before bwd_1__0 (step 3) which it "
+        "needs; reorder rank 0's list"
+    )
+    assert "rank 0 |  fwd_0__0  fwd_1__0 >bwd_0__0< bwd_1__0" in msg
+
+
+def test_fused_task_inner_order_matters():
+    rows = [[Task(0, 0, F), Task(0, 0, B)], [FusedTask((Task(1, 0, B), Task(1, 0, F)))]]
+    msg = check(rows, 2, 2, 1)
+    assert "bwd_1__0 on rank 1 (step 0) runs before fwd_1__0 (step 0) which it needs" in msg
+    assert ">bwd_1__0+fwd_1__0<" in msg
+
+
+def test_microbatch_order_of_backward():
+    rows = Std1F1B(3).tasks(3)
+    rows[2] = [
+        Task(2, 1, F),
+        Task(2, 1, B),
+        Task(2, 0, F),
+        Task(2, 0, B),
+        Task(2, 2, F),
+        Task(2, 2, B),
+    ]
+    msg = check(rows, 3, 3, 3)
+    assert msg.splitlines()[0] == (
+        "invalid schedule: bwd_2__1 on rank 2 (step 1) runs before bwd_2__0 (step 3); a stage's "
+        "backward must run in microbatch order (gradients are accumulated in that order); "
+        "reorder rank 2's list"
+    )
+    assert ">bwd_2__1<" in msg
+
+
+def test_microbatch_order_of_weight_gradients():
+    rows = ZeroBubble(2).tasks(2)
+    rows[1] = [Task(1, 0, F), Task(1, 0, BI), Task(1, 1, F), Task(1, 1, BI)]
+    rows[1] += [Task(1, 1, BW), Task(1, 0, BW)]
+    msg = check(rows, 2, 2, 2, split=True)
+    assert "bwdW_1__1 on rank 1 (step 4) runs before bwdW_1__0 (step 5)" in msg
+
+
+def test_deadlock_is_reported_with_the_wait_cycle():
+    rows = [
+        [Task(0, 0, F), Task(0, 0, B), Task(0, 1, F), Task(0, 1, B)],
+        [Task(1, 0, F), Task(1, 1, F), Task(1, 0, B), Task(1, 1, B)],
+    ]
+    msg = check(rows, 2, 2, 2)
+    assert msg.splitlines()[0] == (
+        "invalid schedule: deadlock, no rank can make progress: bwd_0__0 on rank 0 (step 1) "
+        "waits for bwd_1__0 (rank 1, step 2); fwd_1__1 on rank 1 (step 1) waits for fwd_0__1 "
+        "(rank 0, step 2); reorder these ranks' lists so each dependency is scheduled before "
+        "the task waiting for it"
+    )
+    assert "rank 0 |  fwd_0__0 >bwd_0__0< fwd_0__1  bwd_0__1" in msg
+    assert "rank 1 |  fwd_1__0 >fwd_1__1< bwd_1__0  bwd_1__1" in msg
+
+
+def test_deadlock_in_an_interleaved_schedule():
+    rows = Interleaved1F1B(8, 4).tasks(4)
+    # Rank 3 wants bwd_3__0 before its fused stage-7 tasks: the backward chain
+    # 3 <- 4 (rank 0) <- 5 (rank 1) <- 6 (rank 2) <- 7 (rank 3) closes a cycle.
+    rows[3] = rows[3][:4] + rows[3][8:9] + rows[3][4:8] + rows[3][9:]
+    msg = check(rows, 8, 4, 4)
+    first = msg.splitlines()[0]
+    assert first.startswith(
+        "invalid schedule: deadlock, no rank can make progress: bwd_4__0 on rank 0 (step 8) "
+        "waits for bwd_5__0 (rank 1, step 8); "
+    )
+    assert "bwd_3__0 on rank 3 (step 4) waits for bwd_4__0 (rank 0, step 8)" in first
+    assert ">bwd_4__0<" in msg and ">bwd_3__0<" in msg
+
+
+def test_missing_task():
+    rows = Interleaved1F1B(8, 4).tasks(4)
+    rows[3].pop(5)  # FusedTask(fwd_7__1, bwd_7__1)
+    msg = check(rows, 8, 4, 4)
+    assert msg.splitlines()[0] == "invalid schedule: fwd_7__1 is missing; add it to rank 3's list"
+    assert msg.splitlines()[-1].endswith("<- missing fwd_7__1")
+    assert "fwd_7__0+bwd_7__0" in msg
+
+
+def test_duplicate_task():
+    rows = GPipe(2).tasks(2)
+    rows[0].insert(2, Task(0, 1, F))
+    msg = check(rows, 2, 2, 2)
+    assert msg.splitlines()[0] == (
+        "invalid schedule: fwd_0__1 appears twice, on rank 0 (step 1) and rank 0 (step 2); "
+        "remove one"
+    )
+    assert ">fwd_0__1<>fwd_0__1<" in msg.replace(" ", "")
+
+
+def test_task_on_the_wrong_rank():
+    rows = Std1F1B(2).tasks(2)
+    rows[0].insert(0, Task(1, 0, F))
+    rows[1].remove(Task(1, 0, F))
+    msg = check(rows, 2, 2, 2)
+    assert msg.splitlines()[0] == (
+        "invalid schedule: fwd_1__0 on rank 0 (step 0) but stage_to_rank(1) = 1; "
+        "move it to rank 1's list"
+    )
+    assert "rank 0 | >fwd_1__0<" in msg
+
+
+def test_stage_on_two_ranks():
+    # Placement says both stages live on rank 0, but stage 1's backward sits on rank 1.
+    rows = [[Task(0, 0, F), Task(1, 0, F)], [Task(1, 0, B), Task(0, 0, B)]]
+    msg = check(rows, 2, 2, 1, stage_to_rank=[0, 0])
+    assert msg.splitlines()[0] == (
+        "invalid schedule: stage 1 appears on ranks 0 and 1 (bwd_1__0 on rank 1 (step 0)); "
+        "a stage lives on one rank, move it to rank 0"
+    )
+    assert "rank 1 | >bwd_1__0<" in msg
+
+
+def test_more_stages_than_expected():
+    rows = GPipe(2).tasks(1)
+    rows[1].append(Task(2, 0, F))
+    msg = check(rows, 2, 2, 1)
+    assert msg.splitlines()[0] == (
+        "invalid schedule: fwd_2__0 on rank 1 (step 2) names stage 2 but the schedule has 2 "
+        "stages (0..1); remove it or raise num_stages"
+    )
+    assert ">fwd_2__0<" in msg
+
+
+def test_microbatch_out_of_range_and_wrong_phase_and_rank_count():
+    rows = GPipe(2).tasks(2)
+    assert "names microbatch 2 but there are 2 microbatches" in check(
+        [r + [Task(i, 2, F)] for i, r in enumerate(rows)], 2, 2, 2
+    )
+    msg = check(GPipe(2).tasks(2), 2, 2, 2, split=True)
+    assert "has phase bwd but this schedule splits the backward (allowed: fwd, bwdI, bwdW)" in msg
+    msg = check(ZeroBubble(2).tasks(2), 2, 2, 2, split=False)
+    assert "has phase bwdI but this schedule does not split the backward" in msg
+    msg = check(GPipe(2).tasks(2), 2, 3, 2)
+    assert msg == (
+        "invalid schedule: got 2 rank lists but mpmd_dim=3; return exactly one task list per rank"
+    )
+    assert "is not a Task or FusedTask" in check([["fwd_0__0"]], 1, 1, 1)
+
+
+def test_format_grid_alignment():
+    rows = Interleaved1F1B(4, 4).tasks(4)
+    text = format_grid(rows, marked=[(3, 1)])
+    lines = text.splitlines()
+    assert len(lines) == 5
+    # Columns line up: every row's cells start at the header's column offsets.
+    starts = [i for i, ch in enumerate(lines[0]) if lines[0][i : i + 5] == " step"]
+    for line in lines[1:4]:
+        for col in starts[1 : len(line.split()) - 2]:
+            assert line[col] == " "
+    assert ">fwd_3__1+bwd_3__1<" in lines[4]
