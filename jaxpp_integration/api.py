@@ -1,0 +1,320 @@
+"""The public API: `mpmd_jit_with_loop`, and re-exports of markers, treduce, meshes, schedules.
+
+`mpmd_jit_with_loop(fn, mpmd_mesh=...)` runs the passes in this order (one module each):
+trace (`treduce.pipelined_tracing`) → cluster the loop body (`partition`) → place work outside
+the loop (`placement`) → unroll, order by schedule, transfers (`program`) → deletes
+(`program.add_deletes`) → compile per group (`compile`) → run (`runtime`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpp_integration import partition as _partition
+from jaxpp_integration import placement as _placement
+from jaxpp_integration import program as _program
+from jaxpp_integration.array import MpmdArray
+from jaxpp_integration.compile import compile_program
+from jaxpp_integration.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
+from jaxpp_integration.mesh import MpmdMesh
+from jaxpp_integration.reductions import Add, Concat, Max
+from jaxpp_integration.render import render_program
+from jaxpp_integration.runtime import MemoryReport, execute, prepare
+from jaxpp_integration.schedules import (
+    DualPipeV,
+    Eager1F1B,
+    FusedTask,
+    GPipe,
+    Interleaved1F1B,
+    Schedule,
+    ScheduleError,
+    Std1F1B,
+    Task,
+    UserSchedule,
+    ZeroBubble,
+    schedule_from_name,
+)
+from jaxpp_integration.treduce import pipelined_tracing, treduce
+
+__all__ = [
+    "Add",
+    "Concat",
+    "DualPipeV",
+    "Eager1F1B",
+    "FusedTask",
+    "GPipe",
+    "Interleaved1F1B",
+    "Max",
+    "MemoryReport",
+    "MpmdArray",
+    "MpmdMesh",
+    "Schedule",
+    "ScheduleError",
+    "Std1F1B",
+    "Task",
+    "UserSchedule",
+    "ZeroBubble",
+    "mark_stage_end",
+    "mpmd_jit_with_loop",
+    "pipeline_enter_stage",
+    "pipeline_yield",
+    "schedule_from_name",
+    "split_microbatches",
+    "treduce",
+]
+
+
+def split_microbatches(x, n_microbatches: int, axis: int = 0):
+    """Reshapes every leaf's `axis` into (n_microbatches, size / n_microbatches)."""
+
+    def split(a):
+        size = a.shape[axis]
+        if size % n_microbatches:
+            raise ValueError(
+                f"batch dimension {size} is not divisible by {n_microbatches} microbatches; "
+                f"use a batch size that is a multiple of {n_microbatches}"
+            )
+        shape = (*a.shape[:axis], n_microbatches, size // n_microbatches, *a.shape[axis + 1 :])
+        return a.reshape(shape)
+
+    return jax.tree.map(split, x)
+
+
+def _aval_of(x):
+    if isinstance(x, MpmdArray):
+        a = x.first_array
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=jax.typeof(a).weak_type)
+    t = jax.typeof(x)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
+
+
+def _flat_specs(specs, args, what) -> list:
+    leaves = jax.tree.leaves(args)
+    if specs is None:
+        return [x.spec if isinstance(x, MpmdArray) else PartitionSpec() for x in leaves]
+    out: list = []
+    is_spec = lambda s: isinstance(s, PartitionSpec) or s is None
+
+    def expand(spec, sub):
+        out.extend([spec if spec is not None else PartitionSpec()] * len(jax.tree.leaves(sub)))
+
+    try:
+        jax.tree.map(expand, specs, args, is_leaf=is_spec)
+    except ValueError as e:
+        raise ValueError(f"{what} is not a pytree prefix of the arguments: {e}") from None
+    if len(out) != len(leaves):
+        raise ValueError(f"{what} covers {len(out)} leaves but there are {len(leaves)}")
+    return out
+
+
+@dataclasses.dataclass
+class CompiledMpmdFunction:
+    """A step traced, partitioned, scheduled and compiled for one argument structure."""
+
+    mpmd_mesh: MpmdMesh
+    program: Any
+    executables: dict
+    slot_sharding: dict
+    in_tree: Any
+    in_avals: list
+    in_specs: list
+    out_tree: Any
+    out_specs: list | None
+    n_args: int
+    consts: list
+    schedule: Schedule
+    last_memory: MemoryReport | None = None
+    last_events: list | None = None
+
+    @property
+    def closed_jaxpr(self):
+        """The scheduled program as printable text (task, transfer and delete lines)."""
+        return render_program(self.program)
+
+    @property
+    def num_executables(self) -> int:
+        return len({id(e) for e in self.executables.values()})
+
+    def __call__(self, *args, record_times: bool = False):
+        leaves, tree = jax.tree.flatten(args)
+        if tree != self.in_tree:
+            raise TypeError(
+                f"arguments do not match the compiled pytree: expected {self.in_tree}, got {tree}; "
+                "pass the same structure or call .compile() again"
+            )
+        for i, (x, want) in enumerate(zip(leaves, self.in_avals)):
+            got = _aval_of(x)
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise TypeError(
+                    f"argument leaf {i} is {got.dtype}{list(got.shape)} but the function was "
+                    f"compiled for {want.dtype}{list(want.shape)}; call .compile() again"
+                )
+        values = [*leaves, *self.consts]
+        inputs = {}
+        for j, slots in enumerate(self.program.inputs):
+            for r, s in slots.items():
+                inputs[s] = _put(values[j], r, self.slot_sharding[s])
+        outs, report, events = execute(
+            self.program, self.executables, self.slot_sharding, inputs, record_times=record_times
+        )
+        self.last_memory = report
+        self.last_events = events if record_times else None
+        arrays = [MpmdArray(self.mpmd_mesh, per_rank) for per_rank in outs]
+        if self.out_specs is not None:
+            arrays = [_respec(a, spec) for a, spec in zip(arrays, self.out_specs)]
+        return jax.tree.unflatten(self.out_tree, arrays)
+
+
+def _put(x, rank, sharding):
+    if isinstance(x, MpmdArray):
+        arr = x.arrays.get(rank)
+        if arr is not None and arr.sharding == sharding:
+            return arr
+        return jax.device_put(arr if arr is not None else x.first_array, sharding)
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
+
+
+def _respec(a: MpmdArray, spec: PartitionSpec) -> MpmdArray:
+    fixed = {}
+    for r, arr in a.arrays.items():
+        want = NamedSharding(a.mpmd_mesh.unstack[r], spec)
+        fixed[r] = arr if arr.sharding == want else jax.device_put(arr, want)
+    return MpmdArray(a.mpmd_mesh, fixed)
+
+
+class MpmdFunction:
+    """What `mpmd_jit_with_loop` returns: call it, or `.compile(*args)` ahead of time."""
+
+    def __init__(self, fn, mpmd_mesh: MpmdMesh, in_specs=None, out_specs=None, donate_argnums=()):
+        if not isinstance(mpmd_mesh, MpmdMesh):
+            raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
+        self.fn = fn
+        self.mpmd_mesh = mpmd_mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.donate_argnums = tuple(
+            (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+        )
+        self._compiled: CompiledMpmdFunction | None = None
+
+    def compile(self, *args) -> CompiledMpmdFunction:
+        self._compiled = _compile(self, args)
+        return self._compiled
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten(args)
+        c = self._compiled
+        if (
+            c is None
+            or tree != c.in_tree
+            or [(a.shape, a.dtype) for a in map(_aval_of, leaves)]
+            != [(a.shape, a.dtype) for a in c.in_avals]
+        ):
+            c = self.compile(*args)
+        return c(*args)
+
+
+def mpmd_jit_with_loop(fn=None, *, mpmd_mesh, in_specs=None, out_specs=None, donate_argnums=()):
+    """Pipelines the single `treduce` loop of `fn` over the groups of `mpmd_mesh`."""
+    if fn is None:
+        return lambda f: MpmdFunction(f, mpmd_mesh, in_specs, out_specs, donate_argnums)
+    return MpmdFunction(fn, mpmd_mesh, in_specs, out_specs, donate_argnums)
+
+
+def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
+    mesh = f.mpmd_mesh
+    leaves, in_tree = jax.tree.flatten(args)
+    avals = [_aval_of(x) for x in leaves]
+    specs = [mesh.check_spec(s, "in_specs") for s in _flat_specs(f.in_specs, args, "in_specs")]
+
+    def flat_fn(*flat):
+        return f.fn(*jax.tree.unflatten(in_tree, flat))
+
+    with pipelined_tracing(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with mesh.lowering_mesh():
+            closed, out_shape = jax.make_jaxpr(lambda *a: flat_fn(*a), return_shape=True)(*avals)
+    out_tree = jax.tree.structure(out_shape)
+    jaxpr = closed.jaxpr
+
+    _, loop_eqn, _ = _placement.split_at_loop(jaxpr)
+    schedule = loop_eqn.params["schedule"]
+    if schedule is None:
+        raise ValueError(
+            "treduce under mpmd_jit_with_loop needs a schedule, e.g. Std1F1B(mpmd_dim)"
+        )
+    if schedule.mpmd_dim != mesh.mpmd_dim:
+        raise ValueError(
+            f"{schedule!r} is for {schedule.mpmd_dim} groups but the MpmdMesh has {mesh.mpmd_dim}; "
+            f"build the schedule with mpmd_dim={mesh.mpmd_dim}"
+        )
+    n_mb = loop_eqn.params["n_microbatches"]
+    schedule.validate(n_mb)
+    body = _partition.partition_body(
+        loop_eqn.params["body"],
+        loop_eqn.params["n_consts"],
+        schedule.num_stages,
+        schedule.split_backward,
+    )
+    n_consts = loop_eqn.params["n_consts"]
+    top_for_body = dict(zip(loop_eqn.params["body"].jaxpr.invars, loop_eqn.invars))
+    loop_in_need: dict = {}
+    for (stage, _), task in body.tasks.items():
+        for v in task.invars:
+            if v in top_for_body and _placement.is_var(top_for_body[v]):
+                loop_in_need.setdefault(top_for_body[v], set()).add(schedule.stage_to_rank(stage))
+    del n_consts
+    loop_out_ranks = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
+    place = _placement.place(jaxpr, loop_out_ranks, loop_in_need, mesh.mpmd_dim)
+    prog = _program.build_program(
+        closed, place, body, schedule, n_mb, loop_eqn.params["ops"], loop_eqn.params["axis"],
+        loop_in_need,
+    )
+    donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in f.donate_argnums}
+    prog = _program.add_deletes(prog, donated)
+
+    input_specs = specs + [PartitionSpec()] * len(closed.consts)
+    input_shardings = {}
+    for j, slots in enumerate(prog.inputs):
+        for r, s in slots.items():
+            input_shardings[s] = mesh.sharding(r, input_specs[j])
+    executables, slot_sharding = compile_program(prog, mesh, input_shardings, cache={})
+    prepare(prog, mesh, slot_sharding)
+    out_specs = None
+    if f.out_specs is not None:
+        out_specs = [
+            mesh.check_spec(s, "out_specs")
+            for s in _flat_specs(
+                f.out_specs, jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves), "out_specs"
+            )
+        ]
+    return CompiledMpmdFunction(
+        mesh,
+        prog,
+        executables,
+        slot_sharding,
+        in_tree,
+        avals,
+        specs,
+        out_tree,
+        out_specs,
+        len(leaves),
+        [np.asarray(c) for c in closed.consts],
+        schedule,
+    )
+
+
+def _arg_index(args) -> list[int]:
+    """For each flat leaf, the index of the positional argument it came from."""
+    out = []
+    for i, a in enumerate(args):
+        out.extend([i] * len(jax.tree.leaves(a)))
+    return out

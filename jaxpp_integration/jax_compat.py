@@ -1,0 +1,13 @@
+"""The only module that touches private JAX (`jax._src`); a JAX upgrade should change only this."""
+
+from __future__ import annotations
+
+
+def source_line(eqn) -> str:
+    """'file.py:123 (fn)' for an equation, or '<unknown>'."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - best effort across JAX versions
+        return "<unknown source line>"
