@@ -46,16 +46,23 @@ __all__ = [
     "FusedTask",
     "GPipe",
     "Interleaved1F1B",
+    "Item",
+    "MicrobatchId",
     "Phase",
+    "RankId",
     "Schedule",
     "ScheduleError",
+    "ScheduledItem",
+    "StageId",
     "SCHEDULE_NAMES",
     "Std1F1B",
     "Task",
     "UserSchedule",
     "ZeroBubble",
     "format_grid",
+    "item_tasks",
     "list_schedule",
+    "resolve_stage_to_rank",
     "schedule_from_name",
     "task_dependencies",
     "validate_tasks",
@@ -306,21 +313,19 @@ def _deadlock_error(
                 waits[rank] = (task, missing[0])
                 break
     # Follow rank -> rank holding the missing dependency until a rank repeats.
-    start = min(waits)
     chain: list[RankId] = []
-    rank = start
-    while rank not in chain and rank in waits:
+    rank: RankId | None = min(waits)
+    while rank is not None and rank not in chain and rank in waits:
         chain.append(rank)
-        rank = where[waits[rank][1]][0]
+        rank = where.get(waits[rank][1], (None, 0))[0]
     cycle = chain[chain.index(rank) :] if rank in chain else chain
     parts = []
     for r in cycle:
         task, dep = waits[r]
-        dep_rank, dep_step = where[dep]
-        parts.append(
-            f"{task} on rank {r} (step {step_of[r]}) waits for {dep} "
-            f"(rank {dep_rank}, step {dep_step})"
+        held = (
+            "which no rank runs" if dep not in where else "(rank {}, step {})".format(*where[dep])
         )
+        parts.append(f"{task} on rank {r} (step {step_of[r]}) waits for {dep} {held}")
     reason = (
         "deadlock, no rank can make progress: "
         + "; ".join(parts)
@@ -335,9 +340,11 @@ def _deadlock_error(
 # --------------------------------------------------------------------------------------------
 
 
-def _placement_fn(
+def resolve_stage_to_rank(
     stage_to_rank: Callable[[StageId], RankId] | Sequence[RankId] | None, mpmd_dim: int
 ) -> Callable[[StageId], RankId]:
+    """A placement function from a callable, a sequence indexed by stage, or None (loop
+    placement ``stage % mpmd_dim``)."""
     if stage_to_rank is None:
         return lambda stage: stage % mpmd_dim
     if callable(stage_to_rank):
@@ -362,7 +369,7 @@ def validate_tasks(
     deadlock across ranks (list-scheduling replay). ``stage_to_rank`` defaults to
     ``stage % mpmd_dim``; it may be a callable or a sequence indexed by stage.
     """
-    placement = _placement_fn(stage_to_rank, mpmd_dim)
+    placement = resolve_stage_to_rank(stage_to_rank, mpmd_dim)
     if len(per_rank) != mpmd_dim:
         raise ScheduleError(
             f"invalid schedule: got {len(per_rank)} rank lists but mpmd_dim={mpmd_dim}; "
@@ -894,7 +901,7 @@ class UserSchedule(Schedule):
         _check_mpmd_dim("UserSchedule", mpmd_dim)
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ScheduleError(f"UserSchedule(num_stages={num_stages!r}): need an int >= 1")
-        fn = _placement_fn(stage_to_rank, mpmd_dim)
+        fn = resolve_stage_to_rank(stage_to_rank, mpmd_dim)
         try:
             placement = tuple(int(fn(s)) for s in range(num_stages))
         except (IndexError, TypeError) as e:
