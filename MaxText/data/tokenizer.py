@@ -1,0 +1,215 @@
+"""Tokenizers: a sentencepiece BPE model trained on the training split and cached, or loaded.
+
+`load_or_train_sentencepiece` owns the policy: with `tokenizer_path` set it loads that model
+file and never trains; otherwise it trains a byte-fallback BPE model of `vocab_size` pieces on
+the *training* documents only (so held-out text never shapes the vocabulary) and caches it at
+`{cache}/tokenizers/spm_bpe_v{vocab_size}_{key}.model`, where `key` hashes the corpus and the
+trainer options. Training is deterministic, so processes that train concurrently produce the
+same model; the first one to finish publishes it and all of them load the published file.
+
+Our trained models reserve ids pad=0, unk=1, bos=2, eos=3, keep text exactly (identity
+normalization, no whitespace folding) and encode a newline as its own piece, so
+`decode(encode(s)) == s` for any string (unseen characters fall back to UTF-8 bytes).
+
+`IdTokenizer` is the stand-in for synthetic data, whose "text" is space-separated token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pathlib
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import sentencepiece as spm
+
+from MaxText.data import cache as cache_lib
+from MaxText.data.text import Document
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+# Everything that shapes a trained model, hashed into its cache key. Changing any value here
+# (or the corpus) trains a new model instead of reusing a cached one.
+_TRAINER_OPTIONS = {
+    "model_type": "bpe",
+    "character_coverage": 1.0,
+    "byte_fallback": True,
+    "normalization_rule_name": "identity",
+    "remove_extra_whitespaces": False,
+    "split_digits": True,
+    "user_defined_symbols": ["\n"],
+    "pad_id": PAD_ID,
+    "unk_id": UNK_ID,
+    "bos_id": BOS_ID,
+    "eos_id": EOS_ID,
+    "max_sentence_length": 1 << 16,
+    "hard_vocab_limit": False,  # a corpus too small for vocab_size yields a smaller vocab
+    "input_sentence_size": 0,  # use every sentence we feed (we cap the text ourselves)
+    "num_threads": 4,  # fixed so the serialized model does not depend on the host
+}
+# Text fed to the trainer is capped (in corpus order) so huge tfds corpora train in bounded time.
+MAX_TRAINING_CHARS = 200_000_000
+
+
+class Tokenizer(Protocol):
+    """What the trainer and `generate` rely on."""
+
+    vocab_size: int
+    bos_id: int  # -1 when the model has none
+    eos_id: int  # -1 when the model has none
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model; `origin` is where it came from: 'trained', 'cache' or 'file'."""
+
+    def __init__(
+        self, model_proto: bytes, *, path: pathlib.Path | None = None, origin: str = "file"
+    ):
+        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        self.path = path
+        self.origin = origin
+        self.model_hash = hashlib.sha256(model_proto).hexdigest()
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.bos_id = int(self._sp.bos_id())
+        self.eos_id = int(self._sp.eos_id())
+        pad = int(self._sp.pad_id())
+        # Padding is always masked out, so any in-range id works for models without a pad piece.
+        self.pad_id = pad if pad >= 0 else 0
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOS."""
+        return self._sp.encode(text)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of several texts (batched through sentencepiece's threads)."""
+        return self._sp.encode(texts, num_threads=2)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; control ids (pad/bos/eos) vanish, out-of-vocab ids (a model vocab
+        padded beyond the tokenizer's) decode as the unknown piece."""
+        unk = max(int(self._sp.unk_id()), 0)
+        return self._sp.decode([int(i) if 0 <= int(i) < self.vocab_size else unk for i in ids])
+
+    def __repr__(self) -> str:
+        return (
+            f"SentencePieceTokenizer(vocab_size={self.vocab_size}, origin={self.origin!r}, "
+            f"path={str(self.path)!r})"
+        )
+
+
+class IdTokenizer:
+    """Tokenizer of synthetic data: text is whitespace-separated decimal ids (e.g. "5 17 3")."""
+
+    origin = "synthetic"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.pad_id, self.bos_id, self.eos_id = PAD_ID, BOS_ID, EOS_ID
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            raise ValueError(
+                f"dataset_type=synthetic has no real tokenizer: text must be space-separated token "
+                f"ids below {self.vocab_size}, got {text[:40]!r}"
+            ) from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def load_sentencepiece(tokenizer_path: str) -> SentencePieceTokenizer:
+    """Loads an existing sentencepiece model file; nothing is trained or cached."""
+    path = pathlib.Path(tokenizer_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"tokenizer_path={tokenizer_path!r} is not a file; give a sentencepiece .model file, "
+            "or leave tokenizer_path empty to train one on the training split"
+        )
+    try:
+        return SentencePieceTokenizer(path.read_bytes(), path=path, origin="file")
+    except RuntimeError as e:
+        raise ValueError(
+            f"tokenizer_path={tokenizer_path!r} is not a sentencepiece model: {e}"
+        ) from None
+
+
+def trained_model_path(cache_root: pathlib.Path, corpus_key: str, vocab_size: int) -> pathlib.Path:
+    """Where the model trained on a corpus (identified by `corpus_key`) is cached."""
+    options = json.dumps(_TRAINER_OPTIONS, sort_keys=True) + f"|chars<={MAX_TRAINING_CHARS}"
+    key = hashlib.sha256(f"{corpus_key}|{vocab_size}|{options}".encode()).hexdigest()[:16]
+    return cache_root / "tokenizers" / f"spm_bpe_v{vocab_size}_{key}.model"
+
+
+def load_or_train_sentencepiece(
+    train_docs: list[Document], *, vocab_size: int, corpus_key: str, cache_root: pathlib.Path
+) -> SentencePieceTokenizer:
+    """The cached model for (`corpus_key`, `vocab_size`), training and publishing it if absent."""
+    path = trained_model_path(cache_root, corpus_key, vocab_size)
+    if path.is_file():
+        return SentencePieceTokenizer(path.read_bytes(), path=path, origin="cache")
+    proto = train_sentencepiece(train_docs, vocab_size)
+    cache_lib.publish_bytes(path, proto)
+    # Load what was published: if another process won the race, use its (identical) model.
+    return SentencePieceTokenizer(path.read_bytes(), path=path, origin="trained")
+
+
+def train_sentencepiece(docs: list[Document], vocab_size: int) -> bytes:
+    """Trains a byte-fallback BPE model on `docs` and returns the serialized model."""
+    out = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_training_sentences(docs),
+            model_writer=out,
+            vocab_size=vocab_size,
+            minloglevel=2,
+            **_TRAINER_OPTIONS,
+        )
+    except RuntimeError as e:
+        raise ValueError(
+            f"training a sentencepiece tokenizer with vocab_size={vocab_size} failed: {e}; a "
+            "byte-fallback model needs vocab_size of at least ~300 plus the corpus' distinct "
+            "characters"
+        ) from None
+    return out.getvalue()
+
+
+def _training_sentences(docs: list[Document]) -> Iterator[str]:
+    """Paragraphs of the documents (newlines inside kept), long ones cut at line breaks."""
+    budget = MAX_TRAINING_CHARS
+    limit = _TRAINER_OPTIONS["max_sentence_length"] // 4  # bytes per char <= 4 in UTF-8
+    for doc in docs:
+        for para in doc.text.split("\n\n"):
+            for piece in _chunks(para, limit):
+                if budget <= 0:
+                    return
+                budget -= len(piece)
+                yield piece
+
+
+def _chunks(text: str, limit: int) -> Iterator[str]:
+    if len(text) <= limit:
+        if text.strip():
+            yield text
+        return
+    start = 0
+    while start < len(text):
+        end = min(start + limit, len(text))
+        if end < len(text):
+            nl = text.rfind("\n", start, end)
+            end = nl + 1 if nl > start else end
+        if text[start:end].strip():
+            yield text[start:end]
+        start = end
