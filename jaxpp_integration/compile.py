@@ -11,7 +11,7 @@ and identical stages on one rank — share one compile.
 from __future__ import annotations
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpp_integration.program import Delete, Program, Run, TaskCode, Transfer
@@ -41,9 +41,9 @@ def rebind_meshes(eqns, src_meshes, dst_mesh: Mesh):
                 x.effects,
                 x.debug_info,
             )
-        if isinstance(x, tuple):
+        if type(x) is tuple:
             return tuple(fix(y) for y in x)
-        if isinstance(x, list):
+        if type(x) is list:
             return [fix(y) for y in x]
         return x
 
@@ -53,9 +53,15 @@ def rebind_meshes(eqns, src_meshes, dst_mesh: Mesh):
     return [fix_eqn(e) for e in eqns]
 
 
-def _eqns_fn(eqns, invars, outvars):
+def make_jaxpr_of(eqns, invars, outvars, name="task") -> Jaxpr:
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    jaxpr = Jaxpr([], list(invars), list(outvars), list(eqns), effects)
+    info = DebugInfo(name, name, tuple(f"in{i}" for i in range(len(invars))),
+                     tuple(f"out{i}" for i in range(len(outvars))))
+    return Jaxpr([], list(invars), list(outvars), list(eqns), effects, info)
+
+
+def _eqns_fn(eqns, invars, outvars):
+    jaxpr = make_jaxpr_of(eqns, invars, outvars)
     return jaxpr_as_fun(ClosedJaxpr(jaxpr, []))
 
 
@@ -92,7 +98,7 @@ def task_function(code: TaskCode, eqns):
 
 
 def _key(code: TaskCode, eqns):
-    text = str(Jaxpr([], list(code.invars), [v for v in code.outvars], list(eqns)))
+    text = str(make_jaxpr_of(eqns, code.invars, code.outvars))
     return (
         code.kind,
         code.rank,

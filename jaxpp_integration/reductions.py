@@ -39,7 +39,7 @@ class Concat:
         return jnp.zeros(out.shape, out.dtype)
 
     def update(self, acc, value, index):
-        return lax.dynamic_update_index_in_dim(acc, value.astype(acc.dtype), index, self.axis)
+        return lax.dynamic_update_index_in_dim(acc, jnp.asarray(value, acc.dtype), index, self.axis)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,126 @@
+"""Small models and steps shared by the engine tests (kept out of test files so they read short)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxpp_integration as jaxpp
+
+D_MODEL = 16
+SEQ = 8
+
+
+class Block(nn.Module):
+    """The tutorial seed's block (attention, remat, nested jit, LayerNorm), at toy size."""
+
+    @nn.remat
+    @nn.jit
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=D_MODEL)(x)
+        x = nn.LayerNorm()(x)
+        h = nn.gelu(nn.Dense(4 * D_MODEL)(x))
+        x = x + nn.Dense(x.shape[-1])(h)
+        return nn.LayerNorm()(x)
+
+
+class AnnotatedTransformer(nn.Module):
+    """Tutorial convention: a marker after every stage, the last one included."""
+
+    num_layers: int
+    num_stages: int
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.num_layers):
+            x = Block(name=f"block_{i}")(x)
+            if (i + 1) % (self.num_layers // self.num_stages) == 0:
+                x = jaxpp.pipeline_enter_stage(x)
+        return x
+
+
+def transformer_setup(num_layers, num_stages, n_mb, mb_size=2, seed=0):
+    model = AnnotatedTransformer(num_layers, num_stages)
+    key = jax.random.PRNGKey(seed)
+    x = jax.random.normal(key, (n_mb, mb_size, SEQ, D_MODEL))
+    y = jax.random.normal(jax.random.fold_in(key, 1), (n_mb, mb_size, SEQ, D_MODEL))
+    params = model.init(key, x[0])["params"]
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        return jnp.mean((model.apply({"params": p}, xb) - yb) ** 2)
+
+    return params, (x, y), loss_fn
+
+
+def tied_mlp_setup(num_stages, n_mb, vocab=32, width=16, mb_size=4, seed=0):
+    """An MLP LM whose embedding is used by the first stage (lookup) and the last (logits)."""
+    key = jax.random.PRNGKey(seed)
+    keys = jax.random.split(key, num_stages + 2)
+    params = {
+        "embed": jax.random.normal(keys[0], (vocab, width)) * 0.1,
+        "layers": [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[1:-1]],
+    }
+    tokens = jax.random.randint(keys[-1], (n_mb, mb_size, 6), 0, vocab)
+    targets = jnp.roll(tokens, -1, axis=-1)
+
+    def loss_fn(p, batch):
+        tok, tgt = batch
+        h = p["embed"][tok]
+        for i, w in enumerate(p["layers"]):
+            h = jnp.tanh(h @ w) + h
+            if i < num_stages - 1:
+                h = jaxpp.pipeline_enter_stage(h)  # README convention: markers between stages
+        logits = h @ p["embed"].T
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, tgt[..., None], axis=-1))
+
+    return params, (tokens, targets), loss_fn
+
+
+def clipping_sgd():
+    """Clips hard (threshold far below the gradient norm) then momentum SGD."""
+    return optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.5, momentum=0.9))
+
+
+def make_step(loss_fn, optimizer, schedule):
+    def step(params, opt_state, batch):
+        loss, grads = jaxpp.treduce(
+            lambda mb: jax.value_and_grad(loss_fn)(params, mb),
+            batch,
+            schedule=schedule,
+            operation=jaxpp.Add,
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    return step
+
+
+def mpmd_mesh(num_groups, inner=1, names=("stage", "fsdp")):
+    devices = np.array(jax.devices()[: num_groups * inner]).reshape(num_groups, inner)
+    return jaxpp.MpmdMesh(jax.sharding.Mesh(devices, names), names[0])
+
+
+def run_both(step, params, opt_state, batch, mesh, steps=3, **mpmd_kwargs):
+    """Runs `steps` steps under jax.jit and pipelined; returns both trajectories' final values."""
+    ref = jax.jit(step)
+    pp = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mesh, **mpmd_kwargs)
+    compiled = pp.compile(params, opt_state, batch)
+    r = p = (params, opt_state)
+    losses = []
+    for _ in range(steps):
+        r_out = ref(*r, batch)
+        p_out = compiled(*p, batch)
+        losses.append((np.asarray(r_out[2]), np.asarray(p_out[2])))
+        r, p = r_out[:2], p_out[:2]
+    return r_out, p_out, losses, compiled
+
+
+__all__ = ["partial"]
