@@ -1,0 +1,556 @@
+"""The trainer's configuration: one frozen, typed `Config`, loaded and validated once.
+
+`load_config(argv)` reads `argv[0]` (a YAML file, usually `configs/base.yml`), merges the preset
+`configs/models/<model_name>.yml`, then the `key=value` overrides in `argv[1:]` (the command line
+wins over the preset, the preset over the base file). Values are parsed as YAML scalars and checked
+against the field's type. Unknown keys, wrong types and impossible combinations raise `ConfigError`
+with one line saying what is wrong and how to fix it; `train.py` turns that into exit code 2.
+
+Derived values (global batch, microbatch size, pipeline stage layout, ...) are computed here once,
+so the rest of the trainer reads them and never re-derives them. The config is read-only afterwards.
+
+A YAML file other than base.yml may start with `base_config: base.yml` (a path relative to itself)
+to inherit every key it does not set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
+# Alias -> canonical key. The alias is not stored; it only sets the canonical key.
+ALIASES = {"pipeline_parallelism": "ici_pipeline_parallelism"}
+PARALLELISM_KEYS = (
+    "ici_data_parallelism",
+    "ici_fsdp_parallelism",
+    "ici_tensor_parallelism",
+    "ici_pipeline_parallelism",
+)
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "pipeline_schedule": PIPELINE_SCHEDULES,
+    "decoder_block": ("llama", "gpt"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "weight_dtype": ("float32", "bfloat16", "float16"),
+    "remat_policy": ("none", "full", "minimal", "save_qkv_proj", "save_dot_except_mlp"),
+    "dataset_type": ("text", "synthetic", "tfds"),
+    "decode_sampling_strategy": ("greedy", "weighted", "topk"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message is one line."""
+
+
+def _derived(default: Any = None) -> Any:
+    return dataclasses.field(default=default, metadata={"derived": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every key of configs/base.yml (see the comments there), then values derived at load."""
+
+    # run identity and outputs
+    run_name: str
+    base_output_directory: str
+    model_name: str
+    # parallelism
+    ici_data_parallelism: int
+    ici_fsdp_parallelism: int
+    ici_tensor_parallelism: int
+    ici_pipeline_parallelism: int
+    pipeline_schedule: str
+    num_pipeline_microbatches: int
+    num_pipeline_repeats: int
+    # multi-host
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    # batch and sequence
+    per_device_batch_size: int
+    global_batch_size: int
+    max_target_length: int
+    # model
+    decoder_block: str
+    num_decoder_layers: int
+    emb_dim: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    vocab_size: int
+    logits_via_embedding: bool
+    normalization_layer_epsilon: float
+    rope_max_timescale: float
+    dtype: str
+    weight_dtype: str
+    remat_policy: str
+    scan_layers: bool
+    # optimizer
+    learning_rate: float
+    warmup_steps_fraction: float
+    learning_rate_final_fraction: float
+    learning_rate_schedule_steps: int
+    adam_b1: float
+    adam_b2: float
+    adam_eps: float
+    adam_weight_decay: float
+    gradient_clipping_threshold: float
+    # loop, evaluation, logging
+    steps: int
+    seed: int
+    log_period: int
+    eval_interval: int
+    eval_steps: int
+    enable_tensorboard: bool
+    enable_progress_bar: bool
+    peak_tflops_per_device: float
+    # checkpoints
+    enable_checkpointing: bool
+    checkpoint_period: int
+    async_checkpointing: bool
+    max_num_checkpoints_to_keep: int
+    load_parameters_path: str
+    # data
+    dataset_type: str
+    dataset_path: str
+    dataset_name: str
+    dataset_split: str
+    tokenizer_path: str
+    eval_split_fraction: float
+    # generation
+    prompt: str
+    max_prefill_predict_length: int
+    max_predict_length: int
+    decode_sampling_strategy: str
+    decode_sampling_temperature: float
+    decode_sampling_top_k: int
+
+    # ---- derived at load (not keys; never set them in YAML or on the command line)
+    num_devices: int = _derived(1)  # data x fsdp x tensor x pipeline
+    data_parallel_devices: int = _derived(1)  # data x fsdp: devices the batch is split over
+    num_stages: int = _derived(1)  # pipeline stages = ici_pipeline_parallelism x repeats
+    stage_layers: tuple[int, ...] = _derived(())  # decoder layers in each stage
+    microbatch_size: int = _derived(1)  # global_batch_size / num_pipeline_microbatches
+    output_dir: str = _derived("")  # base_output_directory/run_name
+    config_path: str = _derived("")  # the YAML file argv[0]
+
+    # ---- conveniences (pure functions of the fields)
+    @property
+    def is_pipelined(self) -> bool:
+        return self.ici_pipeline_parallelism > 1
+
+    @property
+    def process_index(self) -> int:  # the data pipeline's name for process_id
+        return self.process_id
+
+    @property
+    def process_count(self) -> int:  # the data pipeline's name for num_processes
+        return self.num_processes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.max_target_length
+
+    @property
+    def metrics_file(self) -> str:
+        return os.path.join(self.output_dir, "metrics.jsonl")
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return os.path.join(self.output_dir, "tensorboard")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.output_dir, "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Keys and derived values as plain JSON-friendly Python values."""
+        out = dataclasses.asdict(self)
+        out["stage_layers"] = list(self.stage_layers)
+        return out
+
+
+def key_fields() -> dict[str, dataclasses.Field]:
+    """The configurable keys (every field that is not derived), by name."""
+    return {f.name: f for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
+
+
+def derived_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
+
+
+# ------------------------------------------------------------------------------------ parsing
+
+
+def _describe(kind: type) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[kind]
+
+
+def _coerce(key: str, value: Any, kind: type, source: str) -> Any:
+    """Checks `value` (already YAML-parsed, or the raw text for str fields) against `kind`."""
+    bad = ConfigError(f"{key}={value!r} ({source}): expected {_describe(kind)}")
+    if kind is str:
+        if value is None:
+            return ""
+        if isinstance(value, bool | int | float | str):
+            return str(value)
+        raise bad
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if kind is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    raise AssertionError(f"unsupported field type {kind} for {key}")
+
+
+def _field_type(field: dataclasses.Field) -> type:
+    annotation = field.type
+    if isinstance(annotation, str):
+        annotation = {"int": int, "float": float, "bool": bool, "str": str}[annotation]
+    return annotation
+
+
+def _suggest(key: str) -> str:
+    valid = list(key_fields()) + list(ALIASES)
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for valid keys"
+
+
+def _canonical(key: str, source: str) -> str:
+    key = ALIASES.get(key, key)
+    if key in derived_fields():
+        raise ConfigError(f"'{key}' ({source}) is derived from other keys and cannot be set")
+    if key not in key_fields():
+        raise ConfigError(f"unknown config key '{key}' ({source}){_suggest(key)}")
+    return key
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, tuple[Any, str]]:
+    """Returns {key: (value, source)} from a YAML file, following `base_config:` first."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path in seen:
+        raise ConfigError(f"config file {path} includes itself through base_config")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config file {path} must be a mapping of key: value")
+    values: dict[str, tuple[Any, str]] = {}
+    base = raw.get("base_config")
+    if base:
+        values.update(_read_yaml((path.parent / str(base)).resolve(), (*seen, path)))
+    for key, value in raw.items():
+        if key == "base_config":
+            continue
+        canonical = _canonical(str(key), str(path))
+        values[canonical] = (value, str(path))
+    return values
+
+
+def _parse_overrides(tokens: Sequence[str]) -> dict[str, tuple[Any, str]]:
+    values: dict[str, tuple[Any, str]] = {}
+    spellings: dict[str, str] = {}
+    for token in tokens:
+        if "=" not in token:
+            raise ConfigError(f"expected key=value on the command line, got '{token}'")
+        spelled, text = token.split("=", 1)
+        key = _canonical(spelled.strip(), "command line")
+        kind = _field_type(key_fields()[key])
+        if kind is str:
+            value: Any = text  # keep the text as typed: "ROMEO:" is not a YAML mapping here
+        else:
+            try:
+                value = yaml.safe_load(text) if text.strip() else None
+            except yaml.YAMLError:
+                value = text
+        if key in spellings and spellings[key] != spelled.strip() and values[key][0] != value:
+            raise ConfigError(
+                f"{spellings[key]} and {spelled.strip()} are the same key and disagree "
+                f"({values[key][0]} vs {value}); set one of them"
+            )
+        spellings[key] = spelled.strip()
+        values[key] = (value, "command line")  # repeated key: the last one wins
+    return values
+
+
+def _find_preset(name: str, config_path: Path) -> Path:
+    for directory in (config_path.parent / "models", CONFIGS_DIR / "models"):
+        candidate = directory / f"{name}.yml"
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.yml"))
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f"did you mean '{match[0]}'?" if match else f"known: {', '.join(known)}"
+    raise ConfigError(f"model_name={name}: no configs/models/{name}.yml; {hint}")
+
+
+# --------------------------------------------------------------------------------- derivation
+
+
+def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Decoder layers per stage: an even split, remainder layers to the middle stages first.
+
+    The first stage also holds the embedding and the last stage the final norm, logits and loss,
+    so extra layers go to the stages nearest the middle, then to the first, then to the last.
+    """
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    middle = sorted(range(1, num_stages - 1), key=lambda s: (abs(2 * s - (num_stages - 1)), s))
+    order = middle + [0] + ([num_stages - 1] if num_stages > 1 else [])
+    for stage in order[:extra]:
+        counts[stage] += 1
+    return tuple(counts)
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
+
+
+def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) -> None:
+    """Fills a -1 parallelism axis with the remaining devices (MaxText's convention)."""
+    for key in PARALLELISM_KEYS:
+        if values[key] == 0 or values[key] < -1:
+            raise ConfigError(f"{key}={values[key]}: must be >= 1 (or -1 for 'the rest')")
+    fill = [k for k in PARALLELISM_KEYS if values[k] == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"only one parallelism axis may be -1, got {', '.join(fill)}")
+    if not fill:
+        return
+    if available_devices is None:
+        from MaxText import devices  # deferred: probing devices initialises JAX's backends
+
+        available_devices = devices.available_device_count(
+            values["coordinator_address"], values["num_processes"], values["process_id"]
+        )
+    others = [k for k in PARALLELISM_KEYS if k != fill[0]]
+    product = 1
+    for k in others:
+        product *= values[k]
+    if available_devices % product:
+        named = " x ".join(f"{k}={values[k]}" for k in others if values[k] > 1) or "1"
+        raise ConfigError(
+            f"{named} needs a multiple of {product} devices but {available_devices} devices are "
+            f"available; use a product that divides {available_devices} "
+            f"({_divisors(available_devices)})"
+        )
+    values[fill[0]] = available_devices // product
+
+
+def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
+    v = values
+    for key, choices in CHOICES.items():
+        if v[key] not in choices:
+            match = difflib.get_close_matches(str(v[key]), choices, n=1, cutoff=0.5)
+            hint = f"did you mean '{match[0]}'? " if match else ""
+            raise ConfigError(f"{key}={v[key]} is not one of {' | '.join(choices)}; {hint}".strip())
+
+    positive = (
+        "num_pipeline_repeats",
+        "per_device_batch_size",
+        "max_target_length",
+        "num_decoder_layers",
+        "emb_dim",
+        "num_query_heads",
+        "num_kv_heads",
+        "mlp_dim",
+        "vocab_size",
+        "log_period",
+        "num_processes",
+        "max_num_checkpoints_to_keep",
+        "checkpoint_period",
+    )
+    for key in positive:
+        if v[key] < 1:
+            raise ConfigError(f"{key}={v[key]}: must be >= 1")
+    for key in ("steps", "global_batch_size", "head_dim", "process_id"):
+        if v[key] < 0:
+            raise ConfigError(f"{key}={v[key]}: must be >= 0")
+    for key in ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay"):
+        if v[key] < 0:
+            raise ConfigError(f"{key}={v[key]}: must be >= 0")
+    for key in ("warmup_steps_fraction", "learning_rate_final_fraction", "adam_b1", "adam_b2"):
+        if not 0.0 <= v[key] <= 1.0:
+            raise ConfigError(f"{key}={v[key]}: must be between 0 and 1")
+    if not 0.0 <= v["eval_split_fraction"] < 1.0:
+        raise ConfigError(f"eval_split_fraction={v['eval_split_fraction']}: must be in [0, 1)")
+    if v["num_processes"] > 1 and not v["coordinator_address"]:
+        raise ConfigError(f"num_processes={v['num_processes']} needs coordinator_address=host:port")
+    if v["process_id"] >= v["num_processes"]:
+        raise ConfigError(
+            f"process_id={v['process_id']} must be < num_processes={v['num_processes']}"
+        )
+
+    _resolve_parallelism(v, None)
+    pp = v["ici_pipeline_parallelism"]
+    dp = v["ici_data_parallelism"] * v["ici_fsdp_parallelism"]
+    tp = v["ici_tensor_parallelism"]
+    v["num_devices"] = dp * tp * pp
+    v["data_parallel_devices"] = dp
+
+    # model shape
+    if v["head_dim"] == 0:
+        if v["emb_dim"] % v["num_query_heads"]:
+            raise ConfigError(
+                f"head_dim=0 means emb_dim / num_query_heads, but emb_dim={v['emb_dim']} is not "
+                f"divisible by num_query_heads={v['num_query_heads']}; set head_dim explicitly"
+            )
+        v["head_dim"] = v["emb_dim"] // v["num_query_heads"]
+    if v["num_query_heads"] % v["num_kv_heads"]:
+        raise ConfigError(
+            f"num_query_heads={v['num_query_heads']} must be a multiple of "
+            f"num_kv_heads={v['num_kv_heads']} (grouped-query attention)"
+        )
+    for key in ("num_query_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+        if v[key] % tp:
+            raise ConfigError(
+                f"{key}={v[key]} is not divisible by ici_tensor_parallelism={tp}; "
+                f"tensor parallelism splits it across devices"
+            )
+    if v["emb_dim"] % v["ici_fsdp_parallelism"]:
+        raise ConfigError(
+            f"emb_dim={v['emb_dim']} is not divisible by "
+            f"ici_fsdp_parallelism={v['ici_fsdp_parallelism']}; fsdp shards parameters along it"
+        )
+
+    # pipeline
+    repeats = v["num_pipeline_repeats"]
+    schedule = v["pipeline_schedule"]
+    num_stages = pp * repeats
+    v["num_stages"] = num_stages
+    if pp > 1 and v["scan_layers"]:
+        raise ConfigError(
+            f"scan_layers=true cannot be combined with ici_pipeline_parallelism={pp}: pipeline "
+            f"stages need unrolled layers; set scan_layers=false"
+        )
+    if v["num_decoder_layers"] < num_stages:
+        raise ConfigError(
+            f"num_decoder_layers={v['num_decoder_layers']} is less than the {num_stages} pipeline "
+            f"stages (ici_pipeline_parallelism={pp} x num_pipeline_repeats={repeats}); "
+            f"every stage needs at least one layer"
+        )
+    if pp > 1 and repeats > 1 and schedule not in ("interleaved_1f1b", "dualpipev"):
+        raise ConfigError(
+            f"num_pipeline_repeats={repeats} needs pipeline_schedule=interleaved_1f1b or "
+            f"dualpipev; {schedule} runs one stage per pipeline group"
+        )
+    if pp > 1 and schedule == "dualpipev" and repeats != 2:
+        raise ConfigError(
+            f"pipeline_schedule=dualpipev runs exactly 2 stages per group; "
+            f"set num_pipeline_repeats=2 (got {repeats})"
+        )
+    v["stage_layers"] = stage_layer_counts(v["num_decoder_layers"], num_stages)
+
+    # batch
+    if v["global_batch_size"] == 0:
+        v["global_batch_size"] = v["per_device_batch_size"] * dp
+    if v["num_pipeline_microbatches"] == -1:
+        v["num_pipeline_microbatches"] = 2 * pp if pp > 1 else 1
+    m = v["num_pipeline_microbatches"]
+    if m < 1:
+        raise ConfigError(f"num_pipeline_microbatches={m}: must be >= 1 (or -1 for automatic)")
+    if v["global_batch_size"] % (m * dp):
+        raise ConfigError(
+            f"global_batch_size={v['global_batch_size']} is not divisible by "
+            f"num_pipeline_microbatches={m} x {dp} data-parallel devices (data x fsdp); "
+            f"use a global batch that is a multiple of {m * dp}"
+        )
+    v["microbatch_size"] = v["global_batch_size"] // m
+    if pp > 1 and schedule == "interleaved_1f1b" and m % pp:
+        raise ConfigError(
+            f"pipeline_schedule=interleaved_1f1b needs num_pipeline_microbatches={m} to be a "
+            f"multiple of ici_pipeline_parallelism={pp}"
+        )
+    if pp > 1 and schedule == "dualpipev" and m < num_stages:
+        raise ConfigError(
+            f"pipeline_schedule=dualpipev needs num_pipeline_microbatches >= {num_stages} "
+            f"stages, got {m}"
+        )
+
+    # optimizer schedule, generation
+    if v["learning_rate_schedule_steps"] == -1:
+        v["learning_rate_schedule_steps"] = v["steps"]
+    if v["learning_rate_schedule_steps"] < 0:
+        raise ConfigError(
+            f"learning_rate_schedule_steps={v['learning_rate_schedule_steps']}: must be >= 0 "
+            f"(or -1 for steps)"
+        )
+    if v["max_prefill_predict_length"] >= v["max_predict_length"]:
+        raise ConfigError(
+            f"max_prefill_predict_length={v['max_prefill_predict_length']} must be less than "
+            f"max_predict_length={v['max_predict_length']}"
+        )
+    if v["decoder_block"] == "gpt" and v["max_predict_length"] > v["max_target_length"]:
+        raise ConfigError(
+            f"max_predict_length={v['max_predict_length']} exceeds max_target_length="
+            f"{v['max_target_length']}, the longest position the gpt block has embeddings for"
+        )
+
+    # outputs
+    if not v["run_name"]:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        v["run_name"] = f"{v['model_name']}_{stamp}"
+    if "/" in v["run_name"]:
+        raise ConfigError(f"run_name={v['run_name']} must not contain '/'")
+    v["output_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
+    v["config_path"] = str(config_path)
+    return v
+
+
+def load_config(argv: Sequence[str]) -> Config:
+    """Builds the Config from `argv = [yaml_path, "key=value", ...]` (see the module docstring)."""
+    if not argv:
+        raise ConfigError("usage: train.py configs/base.yml [key=value ...]")
+    config_path = Path(argv[0])
+    if config_path.suffix not in (".yml", ".yaml"):
+        raise ConfigError(f"the first argument must be a YAML config file, got '{argv[0]}'")
+    values = _read_yaml(config_path.resolve())
+    overrides = _parse_overrides(argv[1:])
+
+    model_name = overrides.get("model_name", values.get("model_name", (None, "")))[0]
+    if model_name not in (None, "", "default"):
+        preset_path = _find_preset(str(model_name), config_path.resolve())
+        preset = _read_yaml(preset_path)
+        preset.pop("model_name", None)
+        values.update(preset)
+    values.update(overrides)
+
+    missing = [k for k in key_fields() if k not in values]
+    if missing:
+        raise ConfigError(
+            f"{config_path} does not set {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; add `base_config: base.yml` to inherit defaults"
+        )
+    typed = {
+        key: _coerce(key, value, _field_type(key_fields()[key]), source)
+        for key, (value, source) in values.items()
+    }
+    return Config(**_validate_and_derive(typed, config_path))

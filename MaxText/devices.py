@@ -1,0 +1,105 @@
+"""Which devices a run uses: multi-host bootstrap and CPU device emulation.
+
+JAX fixes its device list when its backends initialise (the first array operation). `setup` must
+therefore run before anything touches a device: it starts `jax.distributed` when the config asks
+for several processes, and on a host without an accelerator it asks XLA for as many CPU devices as
+the parallelism needs (`jax_num_cpu_devices`) and logs one line saying so. On a GPU host that has
+too few devices it fails with a clear message instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import jax
+
+from MaxText.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _distributed_initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    if num_processes <= 1 or jax.distributed.is_initialized():
+        return
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+
+
+def available_device_count(coordinator_address: str, num_processes: int, process_id: int) -> int:
+    """Devices JAX sees without emulating more (initialises the backends)."""
+    _distributed_initialize(coordinator_address, num_processes, process_id)
+    return jax.device_count()
+
+
+def _requested_cpu_devices() -> int:
+    """CPU devices JAX will create: jax_num_cpu_devices, else XLA_FLAGS, else 1."""
+    configured = jax.config.jax_num_cpu_devices
+    if configured and configured > 0:
+        return configured
+    match = re.search(
+        r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+    )
+    return int(match.group(1)) if match else 1
+
+
+def _accelerator_expected() -> bool:
+    platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")).lower()
+    return bool(platforms) and "cpu" not in platforms.split(",")[:1]
+
+
+def setup(config: Config) -> list[jax.Device]:
+    """Makes `config.num_devices` devices available and returns them (first ones, in order)."""
+    _distributed_initialize(config.coordinator_address, config.num_processes, config.process_id)
+    needed = config.num_devices
+    emulating = False
+    if needed > _requested_cpu_devices() and not _accelerator_expected():
+        # Only the CPU backend reads this; on a GPU host it changes nothing.
+        try:
+            jax.config.update("jax_num_cpu_devices", needed)
+            emulating = True
+        except RuntimeError:  # backends already initialised: check below what we have
+            pass
+    devices = jax.devices()
+    platform = devices[0].platform
+    if platform == "cpu":
+        if len(devices) < needed:
+            raise ConfigError(
+                f"{_parallelism(config)} needs {needed} devices but JAX already started with "
+                f"{len(devices)} CPU devices; start a fresh process (or set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={needed})"
+            )
+        if needed > 1:
+            how = "emulating" if emulating else "using"
+            log.info(
+                "%s %d CPU devices for %s (this host has no accelerator)",
+                how,
+                needed,
+                _parallelism(config),
+            )
+    elif len(devices) < needed:
+        raise ConfigError(
+            f"{_parallelism(config)} needs {needed} devices but this host has {len(devices)} "
+            f"{platform.upper()} devices; reduce the parallelism or set one axis to -1"
+        )
+    elif len(devices) > needed:
+        log.info("using %d of %d %s devices", needed, len(devices), platform.upper())
+    return devices[:needed]
+
+
+def _parallelism(config: Config) -> str:
+    parts = [
+        f"{name}={getattr(config, name)}"
+        for name in (
+            "ici_data_parallelism",
+            "ici_fsdp_parallelism",
+            "ici_tensor_parallelism",
+            "ici_pipeline_parallelism",
+        )
+        if getattr(config, name) > 1
+    ]
+    return " ".join(parts) or "this run"

@@ -1,0 +1,105 @@
+"""Device meshes and the logical-axis rules that map the model's axis names onto them.
+
+The model names every parameter axis (`embed`, `mlp`, `heads`, `kv_heads`, `kv`, `vocab`, `norm`,
+`layers`, ...) and knows nothing else of parallelism. The rules here decide which mesh axis shards
+each name:
+
+- `data`   pure data parallelism: the batch is split, parameters are replicated;
+- `fsdp`   the batch is split and parameters / optimizer state are sharded along `embed` (ZeRO-3);
+- `tensor` heads, kv heads, mlp and vocab are split (Megatron-style tensor parallelism);
+- `stage`  (pipelined meshes only) the MPMD axis: one group of devices per pipeline rank. It never
+  appears in a rule; the engine places each stage's parameters on its group.
+
+SPMD runs use a ("data", "fsdp", "tensor") mesh; pipelined runs use
+("stage", "data", "fsdp", "tensor") wrapped in `jaxpp.MpmdMesh(mesh, "stage")`, and the same rules
+give the in/out PartitionSpecs within each group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText.config import Config
+
+SPMD_AXES = ("data", "fsdp", "tensor")
+PIPELINE_AXIS = "stage"
+PIPELINE_AXES = (PIPELINE_AXIS, *SPMD_AXES)
+
+# (logical name, mesh axes). Names not listed are replicated.
+LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    # activations
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    # parameters
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("vocab", "tensor"),
+    ("norm", None),
+    ("position", None),
+    ("layers", None),
+)
+
+# Logical axes of the batch arrays fed to a step: [batch, length].
+BATCH_LOGICAL_AXES = ("activation_batch", "activation_length")
+
+
+def make_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
+    """The device mesh for `config` over exactly `config.num_devices` devices.
+
+    Pipelined: ("stage", "data", "fsdp", "tensor"), stage outermost so each pipeline group is a
+    contiguous block of devices. Otherwise ("data", "fsdp", "tensor").
+    """
+    assert len(devices) == config.num_devices, (len(devices), config.num_devices)
+    spmd_shape = (
+        config.ici_data_parallelism,
+        config.ici_fsdp_parallelism,
+        config.ici_tensor_parallelism,
+    )
+    if config.is_pipelined:
+        shape, names = (config.ici_pipeline_parallelism, *spmd_shape), PIPELINE_AXES
+    else:
+        shape, names = spmd_shape, SPMD_AXES
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), names)
+
+
+def make_mpmd_mesh(mesh: Mesh):
+    """Wraps a pipelined mesh for the engine (`jaxpp.MpmdMesh(mesh, "stage")`)."""
+    import jaxpp_integration as jaxpp
+
+    return jaxpp.MpmdMesh(mesh, PIPELINE_AXIS)
+
+
+def logical_to_specs(logical_tree: Any) -> Any:
+    """Maps a pytree of logical PartitionSpecs to mesh-axis PartitionSpecs."""
+    return nn.logical_to_mesh(logical_tree, LOGICAL_AXIS_RULES)
+
+
+def batch_spec() -> PartitionSpec:
+    return nn.logical_to_mesh_axes(BATCH_LOGICAL_AXES, LOGICAL_AXIS_RULES)
+
+
+def named_shardings(mesh: Mesh, spec_tree: Any) -> Any:
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        spec_tree,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def axis_rules():
+    """Context manager activating the rules (for activation sharding constraints while tracing)."""
+    return nn.logical_axis_rules(LOGICAL_AXIS_RULES)

@@ -1,0 +1,219 @@
+"""Config loading: every YAML loads, overrides and presets merge, derived values, 1-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from MaxText.config import (
+    CONFIGS_DIR,
+    Config,
+    ConfigError,
+    derived_fields,
+    key_fields,
+    load_config,
+    stage_layer_counts,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = str(CONFIGS_DIR / "base.yml")
+PRESETS = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.yml"))
+
+
+def load(*overrides: str) -> Config:
+    return load_config([BASE, *overrides])
+
+
+def test_base_yml_has_exactly_the_config_keys():
+    keys = set(yaml.safe_load(Path(BASE).read_text()))
+    assert keys == set(key_fields()), keys ^ set(key_fields())
+    assert not keys & set(derived_fields())
+
+
+def test_required_presets_exist():
+    assert {"tiny", "small", "llama2-7b", "gpt3-1.3b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads_and_applies(name):
+    preset = yaml.safe_load((CONFIGS_DIR / "models" / f"{name}.yml").read_text())
+    config = load(f"model_name={name}")
+    assert config.model_name == name
+    for key, value in preset.items():
+        got = getattr(config, key)
+        assert got == (float(value) if isinstance(got, float) else value), key
+
+
+def test_every_yaml_under_configs_is_valid():
+    """No YAML under configs/ holds an unknown key (presets are checked by loading them)."""
+    valid = set(key_fields()) | {"base_config", "pipeline_parallelism"}
+    for path in CONFIGS_DIR.rglob("*.yml"):
+        keys = set(yaml.safe_load(path.read_text()) or {})
+        assert keys <= valid, (path, keys - valid)
+
+
+def test_base_defaults_are_the_tiny_cpu_run():
+    c = load()
+    assert (c.model_name, c.dataset_type, c.decoder_block) == ("tiny", "text", "llama")
+    assert c.num_devices == 1 and c.num_stages == 1 and c.stage_layers == (4,)
+    assert c.global_batch_size == c.per_device_batch_size == 16
+    assert c.num_pipeline_microbatches == 1 and c.microbatch_size == 16
+    assert c.learning_rate_schedule_steps == c.steps
+    assert c.run_name.startswith("tiny_") and c.output_dir.endswith(c.run_name)
+
+
+def test_overrides_types_and_precedence():
+    c = load("steps=7", "learning_rate=1e-3", "run_name=abc", "prompt=ROMEO:", "dtype=bfloat16")
+    assert (c.steps, c.learning_rate, c.run_name, c.prompt, c.dtype) == (
+        7,
+        1e-3,
+        "abc",
+        "ROMEO:",
+        "bfloat16",
+    )
+    # the command line beats the preset, the preset beats base.yml
+    c = load("model_name=small", "emb_dim=64", "num_query_heads=4", "head_dim=16")
+    assert (c.emb_dim, c.vocab_size, c.learning_rate) == (64, 8192, 1.0e-3)
+    assert load("model_name=small", "learning_rate=0.5").learning_rate == 0.5
+
+
+def test_config_is_read_only():
+    c = load()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.steps = 3  # type: ignore[misc]
+
+
+def test_pipeline_alias_and_derived_layout():
+    c = load("pipeline_parallelism=4", "num_decoder_layers=7")
+    assert c.ici_pipeline_parallelism == 4 and c.num_devices == 4 and c.num_stages == 4
+    assert c.stage_layers == (2, 2, 2, 1)
+    assert c.num_pipeline_microbatches == 8 and c.microbatch_size == 2  # -1 -> 2 x stages
+    assert c.global_batch_size == 16  # one data-parallel device: per_device_batch_size
+    c = load(
+        "pipeline_parallelism=2", "num_pipeline_repeats=2", "pipeline_schedule=interleaved_1f1b"
+    )
+    assert c.num_stages == 4 and c.stage_layers == (1, 1, 1, 1)
+
+
+def test_global_batch_size_derivation():
+    c = load("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
+    assert c.num_devices == 8 and c.data_parallel_devices == 4 and c.global_batch_size == 64
+    c = load("ici_data_parallelism=2", "global_batch_size=8", "num_pipeline_microbatches=4")
+    assert (c.global_batch_size, c.microbatch_size) == (8, 2)
+
+
+@pytest.mark.parametrize(
+    "layers,stages,expected",
+    [
+        (4, 4, (1, 1, 1, 1)),
+        (7, 4, (2, 2, 2, 1)),
+        (6, 4, (1, 2, 2, 1)),
+        (9, 4, (2, 3, 2, 2)),
+        (5, 2, (3, 2)),
+        (5, 3, (2, 2, 1)),
+        (3, 1, (3,)),
+        (10, 8, (1, 1, 1, 2, 2, 1, 1, 1)),
+    ],
+)
+def test_stage_layer_counts(layers, stages, expected):
+    got = stage_layer_counts(layers, stages)
+    assert got == expected and sum(got) == layers and min(got) >= 1
+
+
+# (overrides, fragment of the one-line message)
+ERRORS = {
+    "unknown key": (["num_decoder_layer=2"], "unknown config key 'num_decoder_layer'"),
+    "bad type": (["steps=ten"], "steps='ten' (command line): expected an integer"),
+    "devices not divisible": (
+        ["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=3"],
+        "needs a multiple of 3 devices but 8 devices are available",
+    ),
+    "layers < stages": (
+        ["pipeline_parallelism=4", "num_decoder_layers=3"],
+        "num_decoder_layers=3 is less than the 4 pipeline stages",
+    ),
+    "microbatches": (
+        ["num_pipeline_microbatches=3"],
+        "global_batch_size=16 is not divisible by num_pipeline_microbatches=3",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_config_errors_in_process(case):
+    overrides, fragment = ERRORS[case]
+    with pytest.raises(ConfigError) as info:
+        load(*overrides)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message
+    if case == "unknown key":
+        assert "did you mean 'num_decoder_layers'?" in message
+
+
+def test_more_config_errors():
+    cases = [
+        (["pipeline_schedule=1fb1"], "pipeline_schedule=1fb1 is not one of"),
+        (["pipeline_parallelism=2", "scan_layers=true"], "scan_layers=true cannot be combined"),
+        (["pipeline_parallelism=2", "num_pipeline_repeats=2"], "needs pipeline_schedule="),
+        (["learning_rate=fast"], "expected a number"),
+        (["enable_tensorboard=1"], "expected true or false"),
+        (["num_query_heads=4", "num_kv_heads=3"], "must be a multiple of num_kv_heads=3"),
+        (["ici_tensor_parallelism=3"], "num_query_heads=4 is not divisible by"),
+        (["num_devices=4"], "derived from other keys"),
+        (["model_name=tinyy"], "did you mean 'tiny'?"),
+        (["steps"], "expected key=value"),
+        (
+            [
+                "pipeline_parallelism=4",
+                "pipeline_schedule=interleaved_1f1b",
+                "num_pipeline_microbatches=2",
+            ],
+            "multiple of ici_pipeline_parallelism=4",
+        ),
+    ]
+    for overrides, fragment in cases:
+        with pytest.raises(ConfigError, match=None) as info:
+            load(*overrides)
+        assert fragment in str(info.value), (overrides, str(info.value))
+
+
+def test_yaml_with_base_config_inherits(tmp_path):
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE}\nsteps: 3\n")
+    assert load_config([str(mine)]).steps == 3
+    partial = tmp_path / "partial.yml"
+    partial.write_text("steps: 3\n")
+    with pytest.raises(ConfigError, match="does not set"):
+        load_config([str(partial)])
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_train_py_exits_2_with_one_line(case, tmp_path):
+    overrides, fragment = ERRORS[case]
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "configs/base.yml",
+            f"base_output_directory={tmp_path}",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("config error: ") and fragment in lines[0]
+    assert not list(tmp_path.iterdir())  # nothing written for a config error
