@@ -59,14 +59,17 @@ def transformer_setup(num_layers, num_stages, n_mb, mb_size=2, seed=0):
     return params, (x, y), loss_fn
 
 
-def tied_mlp_setup(num_stages, n_mb, vocab=32, width=16, mb_size=4, seed=0):
-    """An MLP LM whose embedding is used by the first stage (lookup) and the last (logits)."""
+def tied_mlp_setup(num_stages, n_mb, vocab=32, width=16, mb_size=4, seed=0, tied=True):
+    """An MLP LM whose embedding is used by the first stage (lookup) and the last (logits);
+    `tied=False` gives the last stage its own output head instead."""
     key = jax.random.PRNGKey(seed)
     keys = jax.random.split(key, num_stages + 2)
     params = {
         "embed": jax.random.normal(keys[0], (vocab, width)) * 0.1,
         "layers": [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[1:-1]],
     }
+    if not tied:
+        params["head"] = jax.random.normal(jax.random.fold_in(key, 7), (vocab, width)) * 0.1
     tokens = jax.random.randint(keys[-1], (n_mb, mb_size, 6), 0, vocab)
     targets = jnp.roll(tokens, -1, axis=-1)
 
@@ -77,7 +80,7 @@ def tied_mlp_setup(num_stages, n_mb, vocab=32, width=16, mb_size=4, seed=0):
             h = jnp.tanh(h @ w) + h
             if i < num_stages - 1:
                 h = jaxpp.pipeline_enter_stage(h)  # README convention: markers between stages
-        logits = h @ p["embed"].T
+        logits = h @ (p["embed"] if tied else p["head"]).T
         logp = jax.nn.log_softmax(logits)
         return -jnp.mean(jnp.take_along_axis(logp, tgt[..., None], axis=-1))
 
