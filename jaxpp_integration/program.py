@@ -338,7 +338,7 @@ def _emit_loop_task(
     for v, s in zip(task.outvars, outs):
         for r in sorted(consumers.get(v, ())):
             if r != rank:
-                dst = b.new(r, v.aval, b.slot_kind[s])
+                dst = b.new(r, v.aval, "value")  # "activation" counts a rank's own stage only
                 b.instrs.append(Transfer(s, dst, rank, r))
                 mb_slot[(v, mb, r)] = dst
 
