@@ -508,11 +508,6 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
             f"max_prefill_predict_length={v['max_prefill_predict_length']} must be less than "
             f"max_predict_length={v['max_predict_length']}"
         )
-    if v["decoder_block"] == "gpt" and v["max_predict_length"] > v["max_target_length"]:
-        raise ConfigError(
-            f"max_predict_length={v['max_predict_length']} exceeds max_target_length="
-            f"{v['max_target_length']}, the longest position the gpt block has embeddings for"
-        )
 
     # outputs
     if not v["run_name"]:

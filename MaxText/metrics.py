@@ -1,0 +1,111 @@
+"""Where training metrics go: the console line, metrics.jsonl, TensorBoard and the progress bar.
+
+One `MetricsLogger` per run. `write(record)` takes one dict per logged step and
+
+- prints `step 10/600 | loss 5.4321 | 0.312 s/step | 6,563 tokens/s/device | 0.043 TFLOP/s/device
+  | MFU 10.3% (CPU estimate) | lr 3.00e-03 | grad_norm 0.830` (plus `eval_loss` when evaluated);
+- appends the record as one JSON object to `{base_output_directory}/{run_name}/metrics.jsonl`
+  (keys: step, loss, step_time_s, tokens_per_s_per_device, tflops_per_s_per_device, mfu,
+  grad_norm, learning_rate, tokens, and eval_loss / eval_batches when evaluated);
+- adds the scalars to TensorBoard event files under `.../tensorboard` (tensorboardX), named like
+  MaxText's: learning/loss, learning/grad_norm, learning/current_learning_rate,
+  perf/step_time_seconds, perf/per_device_tokens_per_sec, perf/per_device_tflops_per_sec, perf/mfu,
+  eval/avg_loss.
+
+The progress bar (tqdm, on stderr) advances every step; console lines are written through it so
+they do not tear the bar.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from MaxText.config import Config
+
+TENSORBOARD_NAMES = {
+    "loss": "learning/loss",
+    "grad_norm": "learning/grad_norm",
+    "learning_rate": "learning/current_learning_rate",
+    "step_time_s": "perf/step_time_seconds",
+    "tokens_per_s_per_device": "perf/per_device_tokens_per_sec",
+    "tflops_per_s_per_device": "perf/per_device_tflops_per_sec",
+    "mfu": "perf/mfu",
+    "eval_loss": "eval/avg_loss",
+}
+
+
+def format_line(record: dict[str, Any], total_steps: int, mfu_estimate: bool) -> str:
+    parts = [
+        f"step {record['step']}/{total_steps}",
+        f"loss {record['loss']:.4f}",
+        f"{record['step_time_s']:.3f} s/step",
+        f"{record['tokens_per_s_per_device']:,.0f} tokens/s/device",
+        f"{record['tflops_per_s_per_device']:.3f} TFLOP/s/device",
+        f"MFU {100 * record['mfu']:.1f}%" + (" (CPU estimate)" if mfu_estimate else ""),
+        f"lr {record['learning_rate']:.2e}",
+        f"grad_norm {record['grad_norm']:.3f}",
+    ]
+    if "eval_loss" in record:
+        parts.append(f"eval_loss {record['eval_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes logged steps to the console, metrics.jsonl and TensorBoard; owns the progress bar."""
+
+    def __init__(self, config: Config, mfu_estimate: bool, start_step: int = 0):
+        self.config = config
+        self.mfu_estimate = mfu_estimate
+        os.makedirs(config.output_dir, exist_ok=True)
+        self._jsonl = open(config.metrics_file, "a", buffering=1)  # noqa: SIM115 (closed in close)
+        self._tb = None
+        if config.enable_tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(config.tensorboard_dir)
+            self._tb.add_text(
+                "config", "\n".join(f"    {k}: {v}" for k, v in config.to_dict().items())
+            )
+        self._bar = tqdm(
+            total=config.steps,
+            initial=start_step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not config.enable_progress_bar,
+            file=sys.stderr,
+        )
+
+    def info(self, line: str) -> None:
+        """A console line that does not tear the progress bar."""
+        if self._bar.disable:
+            print(line, flush=True)
+        else:
+            self._bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+
+    def advance(self, step: int, loss: float) -> None:
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: (float(v) if isinstance(v, float) else v) for k, v in record.items()}
+        self.info(format_line(clean, self.config.steps, self.mfu_estimate))
+        self._jsonl.write(json.dumps(clean) + "\n")
+        if self._tb is not None:
+            for key, name in TENSORBOARD_NAMES.items():
+                value = clean.get(key)
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self._tb.add_scalar(name, value, clean["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._bar.close()
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

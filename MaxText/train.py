@@ -1,0 +1,198 @@
+"""The training loop: `main(argv)` builds everything from the config and trains `steps` steps.
+
+    python train.py configs/base.yml [key=value ...]      (or: python -m MaxText.train ...)
+
+Order: config -> devices (emulated CPU devices if needed) -> mesh -> data -> model + compiled steps
+-> state (fresh, or restored: see `restore_or_init`) -> loop -> metrics / checkpoints.
+
+The loop dispatches step N+1 before reading step N's metrics back, so the host prepares the next
+batch while the devices work; step time is the interval between consecutive step completions.
+Every `log_period` steps (and at evaluations and the last step) it logs a line and a metrics.jsonl
+record; every `eval_interval` steps and at the end it evaluates on the held-out split; a NaN or
+infinite loss aborts with the step number (exit code 1). Config errors exit with code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from MaxText import devices, flops, sharding
+from MaxText.config import Config, ConfigError, load_config
+from MaxText.metrics import MetricsLogger
+from MaxText.model import count_params
+from MaxText.train_step import Trainer, build_trainer, evaluate
+
+log = logging.getLogger("MaxText")
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+def restore_or_init(config: Config, trainer: Trainer, data: Any) -> Any:
+    """The checkpoint seam: returns the state to start from.
+
+    Today: a fresh state. The checkpoint issue restores here the latest complete checkpoint of
+    `config.output_dir` (state in the layout of `trainer.abstract_state` / `trainer.state_specs`,
+    plus `data.train.set_state(...)`), or params from `load_parameters_path`.
+    """
+    del data
+    return trainer.init_state()
+
+
+def maybe_save(config: Config, step: int, state: Any, data: Any, final: bool) -> None:
+    """The checkpoint seam: called after every step with the state after `step` steps.
+
+    The checkpoint issue saves here every `checkpoint_period` steps and at the end (`final`),
+    together with `data.train.get_state()`.
+    """
+    del config, step, state, data, final
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
+    """Trains from the restored/initial state to `config.steps`; returns the last record."""
+    platform = jax.devices()[0].platform
+    peak = flops.peak_tflops(config, platform, jax.devices()[0].device_kind)
+    step_flops = flops.training_flops_per_step(config)
+    tflops_per_device = step_flops.total / config.num_devices / 1e12
+
+    state = restore_or_init(config, trainer, data)
+    start = int(np.asarray(state["step"]))
+    logger = MetricsLogger(config, mfu_estimate=peak.estimate, start_step=start)
+    logger.info(
+        f"model: {config.model_name} ({config.decoder_block}), "
+        f"{count_params(state['params']):,} parameters; "
+        f"{step_flops.total / 1e12:.3f} TFLOP per step "
+        f"({100 * step_flops.weights / step_flops.total:.0f}% weights, "
+        f"{100 * step_flops.attention / step_flops.total:.0f}% attention); "
+        f"peak {peak.tflops:.3f} TFLOP/s/device ({peak.source})"
+    )
+    logger.info(
+        f"mesh {dict(trainer.mesh.shape)}; {config.num_pipeline_microbatches} microbatches of "
+        f"{config.microbatch_size} x {config.max_target_length} tokens"
+        + (
+            f"; schedule {config.pipeline_schedule}, stages of {list(config.stage_layers)} layers"
+            if config.is_pipelined
+            else ""
+        )
+        + f"; step compiled in {trainer.compile_seconds:.1f} s"
+    )
+    if start >= config.steps:
+        logger.info(f"run {config.run_name} is already at step {start} >= steps={config.steps}")
+        logger.close()
+        return {}
+
+    train_iter = iter(data.train)
+    window: list[float] = []
+    last: dict[str, Any] = {}
+    pending: tuple[int, dict[str, Any]] | None = None
+    t_done = time.perf_counter()
+
+    def finish(step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
+        nonlocal t_done, last
+        values = _scalars(metrics)  # blocks until `step` has finished
+        now = time.perf_counter()
+        window.append(now - t_done)
+        t_done = now
+        if not math.isfinite(values["loss"]):
+            raise TrainingDivergedError(
+                f"loss is {values['loss']} at step {step}; aborting "
+                f"(try a lower learning_rate or a gradient_clipping_threshold)"
+            )
+        logger.advance(step, values["loss"])
+        record: dict[str, Any] = {}
+        if evaluate_now:
+            eval_loss, n = evaluate(
+                trainer, state["params"], data.eval_batches(), config.eval_steps
+            )
+            record.update(eval_loss=eval_loss, eval_batches=n)
+            t_done = time.perf_counter()  # do not charge evaluation to the next step
+        if evaluate_now or step % config.log_period == 0 or step == config.steps:
+            step_time = sum(window) / len(window)
+            achieved = tflops_per_device / step_time
+            record = {
+                "step": step,
+                "loss": values["loss"],
+                "step_time_s": step_time,
+                "tokens_per_s_per_device": config.tokens_per_step / step_time / config.num_devices,
+                "tflops_per_s_per_device": achieved,
+                "mfu": flops.mfu(achieved, peak),
+                "grad_norm": values["grad_norm"],
+                "learning_rate": values["learning_rate"],
+                "tokens": values["tokens"],
+                **record,
+            }
+            logger.write(record)
+            window.clear()
+            last = record
+
+    try:
+        for step in range(start + 1, config.steps + 1):
+            batch = trainer.put_batch(next(train_iter))
+            state, metrics = trainer.train_step(state, batch)
+            if pending is not None:
+                finish(*pending, evaluate_now=False)
+                pending = None
+            evaluate_now = config.eval_interval > 0 and (
+                step % config.eval_interval == 0 or step == config.steps
+            )
+            if evaluate_now:
+                finish(step, metrics, evaluate_now=True)
+            else:
+                pending = (step, metrics)
+            maybe_save(config, step, state, data, final=step == config.steps)
+        if pending is not None:
+            finish(*pending, evaluate_now=False)
+    finally:
+        logger.close()
+    return last
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point; returns the process exit code (0 ok, 1 diverged, 2 config error)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing chatter
+    try:
+        config = load_config(argv)
+        devs = devices.setup(config)
+        from MaxText.data import make_data
+
+        data = make_data(config)
+        vocab = getattr(getattr(data, "tokenizer", None), "vocab_size", None)
+        if vocab is not None and vocab != config.vocab_size:
+            raise ConfigError(
+                f"vocab_size={config.vocab_size} but the tokenizer has {vocab} tokens; "
+                f"set vocab_size={vocab}"
+            )
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    mesh = sharding.make_mesh(config, devs)
+    trainer = build_trainer(config, mesh)
+    try:
+        last = run(config, trainer, data)
+    except TrainingDivergedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if last:
+        summary = f"done: {config.steps} steps, loss {last['loss']:.4f}"
+        if "eval_loss" in last:
+            summary += f", eval_loss {last['eval_loss']:.4f}"
+        log.info(summary + f"; metrics in {config.metrics_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,331 @@
+"""The training and evaluation steps, compiled for SPMD (`jax.jit`) or MPMD pipelines (jaxpp).
+
+State layout (the checkpoint seam): a dict `{"step": int32[], "params": ..., "opt_state": ...}` of
+plain arrays. `params` has the same tree for every parallelism layout (`layers_0`, `layers_1`, ...),
+so a checkpoint written by one layout can be read by another.
+
+The step is a pure function `(state, batch) -> (state, metrics)`:
+
+1. the batch `{"inputs", "targets", "targets_mask"}` of shape [B, L] is split into
+   `num_pipeline_microbatches` (M) microbatches [M, B/M, L]; microbatch i holds rows i, M+i, 2M+i...
+   so every microbatch stays evenly split over the data-parallel devices;
+2. `jaxpp.treduce` runs forward + backward on each microbatch and `Add`s the loss *sum*, the token
+   count and the gradients (a plain loop under `jax.jit`; the pipelined loop under
+   `mpmd_jit_with_loop`). Normalising once by the total token count afterwards makes the loss and
+   gradients those of the full batch whatever M is;
+3. gradients are clipped by global norm and applied with AdamW (`MaxText/optimizer.py`).
+
+Metrics: `loss` (mean over counted tokens), `grad_norm` (before clipping), `learning_rate` (the rate
+this step applied), `tokens` (counted target tokens).
+
+SPMD (`ici_pipeline_parallelism=1`): `jax.jit` with in/out shardings from the logical-axis rules.
+Pipelined: the same function under `jaxpp.mpmd_jit_with_loop` on `MpmdMesh(mesh, "stage")`, with the
+same rules giving the PartitionSpecs over the non-stage axes, and the schedule from
+`pipeline_schedule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jaxpp_integration as jaxpp
+from MaxText import sharding
+from MaxText.config import Config
+from MaxText.model import Decoder, cross_entropy_sums
+
+log = logging.getLogger(__name__)
+
+BATCH_KEYS = ("inputs", "targets", "targets_mask")
+METRIC_KEYS = ("loss", "grad_norm", "learning_rate", "tokens")
+
+
+def split_microbatches(x_BxL, num_microbatches: int):
+    """[B, L] -> [M, B/M, L]; microbatch i is rows i, M+i, 2M+i, ... (keeps data sharding even)."""
+    b = x_BxL.shape[0]
+    x = x_BxL.reshape(b // num_microbatches, num_microbatches, *x_BxL.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+
+def make_loss_fn(model: Decoder) -> Callable:
+    def loss_fn(params, batch):
+        logits_BxLxV = model.apply({"params": params}, batch["inputs"])
+        return cross_entropy_sums(logits_BxLxV, batch["targets"], batch["targets_mask"])
+
+    return loss_fn
+
+
+def make_train_step(
+    config: Config,
+    model: Decoder,
+    optimizer: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    schedule: Any = None,
+) -> Callable:
+    """The pure step function; `schedule` is the pipeline schedule (None when not pipelined)."""
+    grad_fn = jax.value_and_grad(make_loss_fn(model), has_aux=True)
+    m = config.num_pipeline_microbatches
+
+    def train_step(state, batch):
+        params = state["params"]
+        microbatches = {k: split_microbatches(batch[k], m) for k in BATCH_KEYS}
+
+        def microbatch_grads(mb):
+            (loss_sum, count), grads = grad_fn(params, mb)
+            return loss_sum, count, grads
+
+        loss_sum, count, grads = jaxpp.treduce(
+            microbatch_grads, microbatches, schedule=schedule, operation=jaxpp.Add
+        )
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new_state = {
+            "step": state["step"] + 1,
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+        }
+        metrics = {
+            "loss": loss_sum / count,
+            "grad_norm": optax.tree.norm(grads),
+            "learning_rate": jnp.asarray(lr_schedule(state["step"]), jnp.float32),
+            "tokens": count,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model: Decoder) -> Callable:
+    """(params, batch) -> {"loss_sum", "tokens"}; the loop sums these over held-out batches."""
+    loss_fn = make_loss_fn(model)
+
+    def eval_step(params, batch):
+        loss_sum, count = loss_fn(params, {k: batch[k] for k in BATCH_KEYS})
+        return {"loss_sum": loss_sum, "tokens": count}
+
+    return eval_step
+
+
+def make_init_fn(config: Config, model: Decoder, optimizer: optax.GradientTransformation):
+    """rng -> state with flax partitioning boxes (optimizer moments inherit the param boxes)."""
+
+    def init(rng):
+        tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
+        params = model.init(rng, tokens)["params"]
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": optimizer.init(params),
+        }
+
+    return init
+
+
+def state_specs(config: Config, model: Decoder, optimizer) -> tuple[Any, Any]:
+    """(abstract unboxed state, mesh-axis PartitionSpecs with the same tree)."""
+    init = make_init_fn(config, model, optimizer)
+    boxed = jax.eval_shape(init, jax.random.key(0))
+    specs = sharding.logical_to_specs(nn.get_partition_spec(boxed))
+    return nn.unbox(boxed), specs
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything the loop needs to run steps, built once from the config.
+
+    - `init_state()` -> a freshly initialised state, placed on the devices;
+    - `train_step(state, batch) -> (state, metrics)` on device arrays (compiled);
+    - `eval_step(params, batch) -> {"loss_sum", "tokens"}`;
+    - `put_batch(np_batch)` -> the batch as the step expects it;
+    - `abstract_state`, `state_specs`, `state_shardings` for checkpoint save/restore.
+    """
+
+    config: Config
+    mesh: Mesh
+    model: Decoder
+    optimizer: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    abstract_state: Any
+    state_specs: Any
+    state_shardings: Any
+    train_step: Callable
+    eval_step: Callable
+    init_state: Callable[[], Any]
+    put_batch: Callable[[dict[str, np.ndarray]], Any]
+    compile_seconds: float = 0.0
+    mpmd_mesh: Any = None
+
+
+def _batch_shapes(config: Config, length: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = (config.global_batch_size, length or config.max_target_length)
+    return {
+        "inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
+        "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+        "targets_mask": jax.ShapeDtypeStruct(shape, jnp.float32),
+    }
+
+
+def _as_step_batch(batch: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {
+        "inputs": np.asarray(batch["inputs"], np.int32),
+        "targets": np.asarray(batch["targets"], np.int32),
+        "targets_mask": np.asarray(batch["targets_mask"], np.float32),
+    }
+
+
+def build_trainer(config: Config, mesh: Mesh, model: Decoder | None = None) -> Trainer:
+    """Builds and compiles the steps for `config` on `mesh` (SPMD or pipelined)."""
+    from MaxText.optimizer import make_optimizer
+
+    model = model or Decoder(config)
+    optimizer, lr_schedule = make_optimizer(config)
+    abstract_state, specs = state_specs(config, model, optimizer)
+    if config.is_pipelined:
+        return _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs)
+    return _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs)
+
+
+def _init_on(mesh: Mesh, config, model, optimizer, specs):
+    shardings = sharding.named_shardings(mesh, specs)
+    init = make_init_fn(config, model, optimizer)
+    jitted = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=shardings)
+    return lambda: jitted(jax.random.key(config.seed)), shardings
+
+
+def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> Trainer:
+    init_state, state_shardings = _init_on(mesh, config, model, optimizer, specs)
+    batch_sharding = NamedSharding(mesh, sharding.batch_spec())
+    batch_shardings = {k: batch_sharding for k in BATCH_KEYS}
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step = make_train_step(config, model, optimizer, lr_schedule, schedule=None)
+    jitted = jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, {k: replicated for k in METRIC_KEYS}),
+        donate_argnums=(0,),
+    )
+    t0 = time.perf_counter()
+    abstract_in = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract_state,
+        state_shardings,
+    )
+    batch_in = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+        for k, v in _batch_shapes(config).items()
+    }
+    compiled = jitted.lower(abstract_in, batch_in).compile()
+    compile_seconds = time.perf_counter() - t0
+
+    eval_jitted = jax.jit(
+        make_eval_step(model),
+        in_shardings=(state_shardings["params"], batch_shardings),
+        out_shardings={"loss_sum": replicated, "tokens": replicated},
+    )
+
+    def put_batch(batch):
+        arrays = _as_step_batch(batch)
+        return {
+            k: jax.make_array_from_callback(v.shape, batch_sharding, lambda idx, v=v: v[idx])
+            for k, v in arrays.items()
+        }
+
+    return Trainer(
+        config=config,
+        mesh=mesh,
+        model=model,
+        optimizer=optimizer,
+        lr_schedule=lr_schedule,
+        abstract_state=abstract_state,
+        state_specs=specs,
+        state_shardings=state_shardings,
+        train_step=compiled,
+        eval_step=eval_jitted,
+        init_state=init_state,
+        put_batch=put_batch,
+        compile_seconds=compile_seconds,
+    )
+
+
+def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> Trainer:
+    from jaxpp_integration.schedules import schedule_from_name
+
+    mpmd_mesh = sharding.make_mpmd_mesh(mesh)
+    schedule = schedule_from_name(
+        config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
+    )
+    # The state is initialised on the first pipeline group's devices; the first step moves each
+    # stage's share to its group and every later step reuses the outputs where they live.
+    first_group = mpmd_mesh.unstack[0]
+    init_state, state_shardings = _init_on(first_group, config, model, optimizer, specs)
+    batch_specs = {k: sharding.batch_spec() for k in BATCH_KEYS}
+    step = make_train_step(config, model, optimizer, lr_schedule, schedule=schedule)
+    pipelined = jaxpp.mpmd_jit_with_loop(
+        step,
+        mpmd_mesh=mpmd_mesh,
+        in_specs=(specs, batch_specs),
+        out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
+        donate_argnums=(0,),
+    )
+    batch_sharding = NamedSharding(first_group, sharding.batch_spec())
+
+    def put_batch(batch):
+        return {k: jax.device_put(v, batch_sharding) for k, v in _as_step_batch(batch).items()}
+
+    t0 = time.perf_counter()
+    example_batch = put_batch(
+        {k: np.zeros(v.shape, v.dtype) for k, v in _batch_shapes(config).items()}
+    )
+    compiled = pipelined.compile(init_state(), example_batch)
+    compile_seconds = time.perf_counter() - t0
+
+    eval_fn = make_eval_step(model)
+    eval_jitted = jax.jit(eval_fn)
+
+    def eval_step(params, batch):
+        # Evaluation runs unpipelined on the first group: the stage markers are no-ops there.
+        local = jax.tree.map(
+            lambda x: jax.device_put(np.asarray(x), first_group.devices.flat[0]), params
+        )
+        return eval_jitted(local, {k: np.asarray(v) for k, v in batch.items()})
+
+    return Trainer(
+        config=config,
+        mesh=mesh,
+        model=model,
+        optimizer=optimizer,
+        lr_schedule=lr_schedule,
+        abstract_state=abstract_state,
+        state_specs=specs,
+        state_shardings=state_shardings,
+        train_step=compiled,
+        eval_step=eval_step,
+        init_state=init_state,
+        put_batch=put_batch,
+        compile_seconds=compile_seconds,
+        mpmd_mesh=mpmd_mesh,
+    )
+
+
+def evaluate(trainer: Trainer, params, batches: Iterable[dict[str, np.ndarray]], max_batches: int):
+    """Token-weighted mean loss over up to `max_batches` held-out batches (all if <= 0)."""
+    total, tokens, n = 0.0, 0.0, 0
+    for batch in batches:
+        if 0 < max_batches <= n:
+            break
+        out = trainer.eval_step(params, trainer.put_batch(batch))
+        total += float(np.asarray(out["loss_sum"]))
+        tokens += float(np.asarray(out["tokens"]))
+        n += 1
+    return total / max(tokens, 1.0), n
