@@ -40,6 +40,7 @@ from jaxpp_integration.schedules import (
     ZeroBubble,
     schedule_from_name,
 )
+from jaxpp_integration.transfer import cross_process_transfer
 from jaxpp_integration.treduce import pipelined_tracing, treduce
 
 __all__ = [
@@ -88,6 +89,8 @@ def split_microbatches(x, n_microbatches: int, axis: int = 0):
 
 def _aval_of(x):
     if isinstance(x, MpmdArray):
+        if not x.arrays:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
         a = x.first_array
         return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=jax.typeof(a).weak_type)
     t = jax.typeof(x)
@@ -129,6 +132,7 @@ class CompiledMpmdFunction:
     n_args: int
     consts: list
     schedule: Schedule
+    local_ranks: frozenset = frozenset()
     last_memory: MemoryReport | None = None
     last_events: list | None = None
 
@@ -159,16 +163,58 @@ class CompiledMpmdFunction:
         inputs = {}
         for j, slots in enumerate(self.program.inputs):
             for r, s in slots.items():
-                inputs[s] = _put(values[j], r, self.slot_sharding[s])
+                v = self._place_input(values[j], r, self.slot_sharding[s])
+                if v is not None:
+                    inputs[s] = v
         outs, report, events = execute(
-            self.program, self.executables, self.slot_sharding, inputs, record_times=record_times
+            self.program,
+            self.executables,
+            self.slot_sharding,
+            inputs,
+            record_times=record_times,
+            local_ranks=self.local_ranks,
+            mpmd_axis=self.mpmd_mesh.mpmd_axis_name,
         )
         self.last_memory = report
         self.last_events = events if record_times else None
-        arrays = [MpmdArray(self.mpmd_mesh, per_rank) for per_rank in outs]
+        arrays = [
+            MpmdArray(
+                self.mpmd_mesh,
+                {r: a for r, a in per_rank.items() if r in self.local_ranks},
+                mpmd_idxs=tuple(slots),
+                aval=self.program.slot_aval[next(iter(slots.values()))],
+                spec=self.slot_sharding[next(iter(slots.values()))].spec,
+            )
+            for per_rank, slots in zip(outs, self.program.outputs)
+        ]
         if self.out_specs is not None:
             arrays = [_respec(a, spec) for a, spec in zip(arrays, self.out_specs)]
         return jax.tree.unflatten(self.out_tree, arrays)
+
+    def _place_input(self, x, rank, sharding):
+        """`x` on group `rank` with `sharding`, or None when that group is another process's.
+
+        An `MpmdArray` that group `rank` does not hold is sent from the first group that does:
+        a copy on one host, a collective between the two processes under multi-controller JAX
+        (every process visits the inputs in the same order, so the collectives match)."""
+        here = rank in self.local_ranks
+        if not isinstance(x, MpmdArray) or rank in x.mpmd_idxs:
+            return _put(x, rank, sharding) if here else None
+        src = x.mpmd_idxs[0]
+        src_here = src in self.local_ranks
+        if src_here and here:
+            return _put(x, rank, sharding)
+        if not (src_here or here):
+            return None
+        mesh = self.mpmd_mesh
+        got = cross_process_transfer(
+            x.arrays[src] if src_here else None,
+            mesh.sharding(src, x.spec),
+            mesh.sharding(rank, x.spec),
+            x,
+            mesh.mpmd_axis_name,
+        )
+        return None if got is None else _put(got, rank, sharding)
 
 
 def _put(x, rank, sharding):
@@ -187,7 +233,7 @@ def _respec(a: MpmdArray, spec: PartitionSpec) -> MpmdArray:
     for r, arr in a.arrays.items():
         want = NamedSharding(a.mpmd_mesh.unstack[r], spec)
         fixed[r] = arr if arr.sharding == want else jax.device_put(arr, want)
-    return MpmdArray(a.mpmd_mesh, fixed)
+    return MpmdArray(a.mpmd_mesh, fixed, mpmd_idxs=a.mpmd_idxs, aval=a, spec=spec)
 
 
 class MpmdFunction:
@@ -275,7 +321,13 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
     loop_out_ranks = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
     place = _placement.place(jaxpr, loop_out_ranks, loop_in_need, mesh.mpmd_dim)
     prog = _program.build_program(
-        closed, place, body, schedule, n_mb, loop_eqn.params["ops"], loop_eqn.params["axis"],
+        closed,
+        place,
+        body,
+        schedule,
+        n_mb,
+        loop_eqn.params["ops"],
+        loop_eqn.params["axis"],
         loop_in_need,
     )
     donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in f.donate_argnums}
@@ -287,7 +339,12 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         for r, s in slots.items():
             input_shardings[s] = mesh.sharding(r, input_specs[j])
     executables, slot_sharding = compile_program(prog, mesh, input_shardings, cache={})
-    prepare(prog, mesh, slot_sharding)
+    local = local_ranks(mesh)
+    prepare(prog, slot_sharding, local)
+    if jax.process_count() > 1:  # every process compiled everything: meet before the first step
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxpp_integration: all tasks compiled")
     out_specs = None
     if f.out_specs is not None:
         out_specs = [
@@ -309,7 +366,24 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         len(leaves),
         [np.asarray(c) for c in closed.consts],
         schedule,
+        local,
     )
+
+
+def local_ranks(mesh: MpmdMesh) -> frozenset:
+    """The groups whose devices this process owns (all of them on a single host)."""
+    me = jax.process_index()
+    ranks = set()
+    for r in range(mesh.mpmd_dim):
+        owners = {d.process_index for d in mesh.devices_of(r)}
+        if len(owners) > 1:
+            raise ValueError(
+                f"group {r} spans processes {sorted(owners)}; each group must belong to one "
+                "process (order the mesh devices so every pipeline group sits on one host)"
+            )
+        if me in owners:
+            ranks.add(r)
+    return frozenset(ranks)
 
 
 def _arg_index(args) -> list[int]:

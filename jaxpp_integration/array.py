@@ -12,20 +12,40 @@ from jaxpp_integration.mesh import MpmdMesh
 
 
 class MpmdArray:
-    """One logical array; `arrays[g]` is group g's copy (a `jax.Array` on g's sub-mesh)."""
+    """One logical array; `arrays[g]` is group g's copy (a `jax.Array` on g's sub-mesh).
 
-    def __init__(self, mpmd_mesh: MpmdMesh, arrays: dict[int, jax.Array]):
-        if not arrays:
-            raise ValueError("MpmdArray needs at least one group's array")
+    Under multi-controller JAX a process holds only its own groups' copies; `mpmd_idxs` still
+    names every group holding the value, and `shape`/`dtype`/`spec` are known everywhere."""
+
+    def __init__(
+        self,
+        mpmd_mesh: MpmdMesh,
+        arrays: dict[int, jax.Array],
+        *,
+        mpmd_idxs=None,
+        aval=None,
+        spec=None,
+    ):
         self.mpmd_mesh = mpmd_mesh
         self._arrays = collections.OrderedDict(sorted(arrays.items()))
-        first = next(iter(self._arrays.values()))
-        self.shape = tuple(first.shape)
-        self.dtype = first.dtype
+        self._mpmd_idxs = tuple(sorted(mpmd_idxs)) if mpmd_idxs is not None else tuple(arrays)
+        if not self._mpmd_idxs:
+            raise ValueError("MpmdArray needs at least one group")
+        if self._arrays:
+            first = next(iter(self._arrays.values()))
+            self.shape, self.dtype = tuple(first.shape), first.dtype
+            self._spec = first.sharding.spec
+        else:
+            self.shape, self.dtype = tuple(aval.shape), aval.dtype
+            self._spec = spec
 
     @property
     def mpmd_idxs(self) -> tuple[int, ...]:
-        return tuple(self._arrays)
+        return self._mpmd_idxs
+
+    @property
+    def is_partially_addressable(self) -> bool:
+        return tuple(self._arrays) != self._mpmd_idxs
 
     @property
     def arrays(self) -> dict[int, jax.Array]:
@@ -38,18 +58,23 @@ class MpmdArray:
 
     @property
     def spec(self):
-        return self.first_array.sharding.spec
+        return self._spec
 
     @property
     def sharding(self) -> NamedSharding:
         """Within one group: that group's sharding; across groups: the mesh of those groups."""
-        if len(self._arrays) == 1:
-            return self.first_array.sharding
+        if len(self._mpmd_idxs) == 1:
+            return NamedSharding(self.mpmd_mesh.unstack[self._mpmd_idxs[0]], self.spec)
         mesh = self.mpmd_mesh.submesh(self.mpmd_idxs)
         return NamedSharding(mesh, self.spec)
 
     @property
     def first_array(self) -> jax.Array:
+        if not self._arrays:
+            raise ValueError(
+                f"this process holds no copy of the value (it lives on groups {self.mpmd_idxs}); "
+                "read it on a process that owns one of those groups"
+            )
         return next(iter(self._arrays.values()))
 
     @property

@@ -55,8 +55,12 @@ def rebind_meshes(eqns, src_meshes, dst_mesh: Mesh):
 
 def make_jaxpr_of(eqns, invars, outvars, name="task") -> Jaxpr:
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    info = DebugInfo(name, name, tuple(f"in{i}" for i in range(len(invars))),
-                     tuple(f"out{i}" for i in range(len(outvars))))
+    info = DebugInfo(
+        name,
+        name,
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
     return Jaxpr([], list(invars), list(outvars), list(eqns), effects, info)
 
 
@@ -120,7 +124,7 @@ def compile_program(prog: Program, mpmd_mesh, input_shardings: dict, cache: dict
     lowering = mpmd_mesh.lowering_mesh()
     src_meshes = (lowering, mpmd_mesh.jax_mesh)
     slot_sharding = dict(input_shardings)
-    for s, value in prog.constants.items():
+    for s in prog.constants:
         slot_sharding[s] = mpmd_mesh.sharding(prog.slot_rank[s], PartitionSpec())
     executables = {}
     fn_cache: dict = {}
@@ -139,7 +143,9 @@ def compile_program(prog: Program, mpmd_mesh, input_shardings: dict, cache: dict
             full_key = (key, in_sh, ins.donate)
             if full_key not in cache:
                 avals = [_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_sh)]
-                cache[full_key] = jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals).compile()
+                cache[full_key] = (
+                    jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals).compile()
+                )
             exe = cache[full_key]
             executables[idx] = exe
             for s, sh in zip(ins.outs, exe.output_shardings):

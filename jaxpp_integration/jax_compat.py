@@ -11,3 +11,14 @@ def source_line(eqn) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - best effort across JAX versions
         return "<unknown source line>"
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+    """`jax.shard_map` where it exists (newer JAX), else the experimental one."""
+    import jax
+
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map as legacy
+
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)

@@ -132,7 +132,7 @@ def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -
         task.invars = reads
         for v in reads:
             needed_by.setdefault(v, []).append(key)
-    for key, task in tasks.items():
+    for task in tasks.values():
         task.outvars = [o for e in task.eqns for o in e.outvars if o in needed_by]
     return PartitionedBody(tasks, const_vars, mb_vars, outvars, owner)
 

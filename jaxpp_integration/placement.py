@@ -37,8 +37,8 @@ def split_at_loop(jaxpr):
     loops = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is treduce_p]
     if len(loops) != 1:
         raise ValueError(
-            f"mpmd_jit_with_loop needs exactly one treduce in the step function, found {len(loops)}; "
-            "call jaxpp.treduce once around the microbatch loop"
+            "mpmd_jit_with_loop needs exactly one treduce in the step function, found "
+            f"{len(loops)}; call jaxpp.treduce once around the microbatch loop"
         )
     i = loops[0]
     return jaxpr.eqns[:i], jaxpr.eqns[i], jaxpr.eqns[i + 1 :]

@@ -103,8 +103,9 @@ class _Builder:
         return s
 
 
-def build_program(closed, placement: Placement, body: PartitionedBody, schedule, n_mb, ops, axis,
-                  loop_need: dict):
+def build_program(
+    closed, placement: Placement, body: PartitionedBody, schedule, n_mb, ops, axis, loop_need: dict
+):
     jaxpr = closed.jaxpr
     b = _Builder(schedule.mpmd_dim)
     where: dict = {}  # (var, rank) -> slot, for top-level values
@@ -130,8 +131,11 @@ def build_program(closed, placement: Placement, body: PartitionedBody, schedule,
     acc_slot: dict = {}
     for r in range(b.mpmd_dim):
         targets = {v for v, ranks in loop_need.items() if r in ranks}
-        targets |= {v for v, ranks in zip(jaxpr.outvars, placement.output_ranks)
-                    if r in ranks and v in free_out}
+        targets |= {
+            v
+            for v, ranks in zip(jaxpr.outvars, placement.output_ranks)
+            if r in ranks and v in free_out
+        }
         eqns = _dce(placement.free_eqns, targets)
         produced = [o for e in eqns for o in e.outvars if o in targets]
         reads = _reads(eqns, extra=())
@@ -147,13 +151,15 @@ def build_program(closed, placement: Placement, body: PartitionedBody, schedule,
         for o in produced:
             outs.append(b.new(r, o.aval, "value"))
             where[(o, r)] = outs[-1]
-        for j, aval in enumerate(loop_eqn.params["body"].out_avals):
+        for j in range(len(loop_eqn.params["body"].out_avals)):
             if acc_rank[j] == r:
                 out_aval = loop_eqn.outvars[j].aval
                 acc_slot[j] = b.new(r, out_aval, "acc")
                 outs.append(acc_slot[j])
         anchor = b.constant(r, np.int32(0), jax.core.ShapedArray((), np.int32))  # pins the rank
-        b.instrs.append(Run(code, tuple(where[(v, r)] for v in reads) + (anchor,), tuple(outs), None))
+        b.instrs.append(
+            Run(code, tuple(where[(v, r)] for v in reads) + (anchor,), tuple(outs), None)
+        )
 
     # ---- the loop, one task instance per (stage, phase, microbatch) in schedule order
     body_const_index = {v: i for i, v in enumerate(body.const_vars)}
@@ -202,10 +208,7 @@ def build_program(closed, placement: Placement, body: PartitionedBody, schedule,
     for e in placement.after:
         for r in placement.eqn_ranks.get(id(e), ()):
             groups.setdefault((seg[(id(e), r)], r), []).append(e)
-    used_later: set = set()
-    for e in placement.after:
-        used_later.update(v for v in e.invars if isinstance(v, Var))
-    used_later.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    step_outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
     for (k, r), eqns in sorted(groups.items()):
         missing = {v for v in _reads(eqns, extra=()) if v in free_out and (v, r) not in where}
         eqns = _dce(placement.free_eqns, missing) + eqns
@@ -218,7 +221,18 @@ def build_program(closed, placement: Placement, body: PartitionedBody, schedule,
                 b.instrs.append(Transfer(where[(v, src_rank)], dst, src_rank, r))
                 where[(v, r)] = dst
             ins.append(where[(v, r)])
-        produced = [o for e in eqns for o in e.outvars if o in used_later]
+        # export only what other tasks or the step's outputs read; the rest stays fused inside
+        mine = {id(e) for e in eqns}
+        read_elsewhere = {
+            v
+            for (k2, r2), other in groups.items()
+            if (k2, r2) != (k, r)
+            for e in other
+            if id(e) not in mine or r2 != r
+            for v in e.invars
+            if isinstance(v, Var)
+        }
+        produced = [o for e in eqns for o in e.outvars if o in read_elsewhere or o in step_outs]
         code = TaskCode(f"after_loop_{r}_{k}", r, "after", eqns, reads, produced)
         outs = []
         for o in produced:

@@ -1,4 +1,4 @@
-"""Printable text of a scheduled program, in jaxpr-like syntax (`task_name=fwd_0`, transfers, deletes)."""
+"""Printable text of a scheduled program in jaxpr-like syntax: task, transfer and delete lines."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxpp_integration.program import Delete, Program, Run, Transfer
+from jaxpp_integration.transfer import cross_process_transfer
 
 
 @dataclasses.dataclass
@@ -33,8 +34,23 @@ def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def execute(prog: Program, executables, slot_sharding, inputs: dict, *, record_times=False):
-    """Runs `prog`. `inputs` maps input slots to arrays already on their groups."""
+def execute(
+    prog: Program,
+    executables,
+    slot_sharding,
+    inputs: dict,
+    *,
+    record_times=False,
+    local_ranks=None,
+    mpmd_axis=None,
+):
+    """Runs `prog`. `inputs` maps input slots to arrays already on their groups.
+
+    Multi-controller: only `local_ranks` run here; a transfer between a local and a remote group
+    is a collective both processes issue in program order. The byte accounting is kept for
+    every group alike (it is computed from shapes, not read off devices)."""
+    if local_ranks is None:
+        local_ranks = frozenset(range(prog.mpmd_dim))
     regs: list = [None] * len(prog.slot_rank)
     for s, v in inputs.items():
         regs[s] = v
@@ -48,7 +64,13 @@ def execute(prog: Program, executables, slot_sharding, inputs: dict, *, record_t
     timeline, act_timeline = [], []
     events = []
     for idx, ins in enumerate(prog.instrs):
-        if isinstance(ins, Run):
+        if isinstance(ins, Run) and ins.code.rank not in local_ranks:
+            for s in ins.outs:
+                r = prog.slot_rank[s]
+                live[r] += prog.slot_bytes[s]
+                if prog.slot_kind[s] == "activation":
+                    act[r] += prog.slot_bytes[s]
+        elif isinstance(ins, Run):
             t0 = time.perf_counter() if record_times else 0.0
             outs = executables[idx](*[regs[s] for s in ins.ins])
             if record_times:
@@ -61,7 +83,17 @@ def execute(prog: Program, executables, slot_sharding, inputs: dict, *, record_t
                 if prog.slot_kind[s] == "activation":
                     act[r] += prog.slot_bytes[s]
         elif isinstance(ins, Transfer):
-            regs[ins.dst] = jax.device_put(regs[ins.src], slot_sharding[ins.dst])
+            src_here, dst_here = ins.src_rank in local_ranks, ins.dst_rank in local_ranks
+            if src_here and dst_here:
+                regs[ins.dst] = jax.device_put(regs[ins.src], slot_sharding[ins.dst])
+            elif src_here or dst_here:
+                regs[ins.dst] = cross_process_transfer(
+                    regs[ins.src] if src_here else None,
+                    slot_sharding[ins.src],
+                    slot_sharding[ins.dst],
+                    prog.slot_aval[ins.dst],
+                    mpmd_axis,
+                )
             live[ins.dst_rank] += prog.slot_bytes[ins.dst]
             if prog.slot_kind[ins.dst] == "activation":
                 act[ins.dst_rank] += prog.slot_bytes[ins.dst]
@@ -85,9 +117,11 @@ def execute(prog: Program, executables, slot_sharding, inputs: dict, *, record_t
     return outputs, report, events
 
 
-def prepare(prog: Program, mpmd_mesh, slot_sharding) -> None:
-    """Puts the program's constants on their groups once, and sizes every slot."""
+def prepare(prog: Program, slot_sharding, local_ranks) -> None:
+    """Puts the program's constants on this process's groups once, and sizes every slot."""
     prog.slot_bytes = [_nbytes(a) for a in prog.slot_aval]
     prog.constants_on_device = {
-        s: jax.device_put(v, slot_sharding[s]) for s, v in prog.constants.items()
+        s: jax.device_put(v, slot_sharding[s])
+        for s, v in prog.constants.items()
+        if prog.slot_rank[s] in local_ranks
     }

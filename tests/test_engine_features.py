@@ -29,10 +29,14 @@ def test_fsdp_inside_stages_equals_jit():
     spec = lambda leaf: P("fsdp") if leaf.ndim >= 1 and leaf.shape[0] % 2 == 0 else P()
     specs = (jax.tree.map(spec, params), jax.tree.map(spec, opt_state), P())
     ref_mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
-    to_ref = lambda tree, sp: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(ref_mesh, s)), tree, sp)
+    to_ref = lambda tree, sp: jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(ref_mesh, s)), tree, sp
+    )
     ref_in = (to_ref(params, specs[0]), to_ref(opt_state, specs[1]), batch)
     mesh = mpmd_mesh(2, inner=2)
-    pp = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mesh, in_specs=specs, out_specs=(specs[0], specs[1], P(), specs[0]))
+    pp = jaxpp.mpmd_jit_with_loop(
+        step, mpmd_mesh=mesh, in_specs=specs, out_specs=(specs[0], specs[1], P(), specs[0])
+    )
     compiled = pp.compile(params, opt_state, batch)
     r, p = ref_in[:2], (params, opt_state)
     for _ in range(3):
@@ -126,7 +130,9 @@ def test_error_unplaceable_equation_names_source_line():
         jax.debug.print("loss {}", loss)
         return loss
 
-    with pytest.raises(ValueError, match=r"cannot place debug_print at .*test_engine_features.py:\d+"):
+    with pytest.raises(
+        ValueError, match=r"cannot place debug_print at .*test_engine_features.py:\d+"
+    ):
         _compile(noisy_loss, params, batch, jaxpp.Std1F1B(2), 2)
 
 

@@ -1,0 +1,66 @@
+"""Moving values between groups: a local `device_put`, or an XLA collective across processes.
+
+Single process: `jax.device_put` to the target group's sharding (a copy between devices).
+Multi-controller (`jax.distributed`): the two groups' meshes are stacked along the mpmd axis
+into a 2-group mesh, the value becomes row 0 of a `(2, *shape)` global array (the receiver
+contributes zeros as row 1), and a compiled `ppermute` 0 → 1 over the mpmd axis moves it — gloo
+on CPU, NCCL on GPU. Shards pair by position, so both sides must use the same spec (the engine
+guarantees it: a transfer keeps the producer's spec). Both processes issue transfers in program
+order, so the collectives match.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpp_integration.jax_compat import shard_map
+
+
+def is_local(sharding) -> bool:
+    return all(d.process_index == jax.process_index() for d in sharding.device_set)
+
+
+@functools.cache
+def _pair(src_mesh: Mesh, dst_mesh: Mesh, axis: str, spec: PartitionSpec):
+    axis_index = src_mesh.axis_names.index(axis)
+    devices = np.concatenate([src_mesh.devices, dst_mesh.devices], axis=axis_index)
+    mesh = Mesh(devices, src_mesh.axis_names)
+    pair_spec = PartitionSpec(axis, *spec)
+    move = shard_map(
+        lambda a: jax.lax.ppermute(a, axis, [(0, 1)]),
+        mesh=mesh,
+        in_specs=pair_spec,
+        out_specs=pair_spec,
+    )
+    return mesh, NamedSharding(mesh, pair_spec), jax.jit(move)
+
+
+def cross_process_transfer(value, src: NamedSharding, dst: NamedSharding, aval, axis: str):
+    """Collective send of `value` (None on the receiving process); returns the received array on
+    the receiver, None on the sender."""
+    spec = src.spec
+    mesh, pair_sharding, move = _pair(src.mesh, dst.mesh, axis, spec)
+    shape = (2, *aval.shape)
+    me = jax.process_index()
+    shards = []
+    index_map = pair_sharding.addressable_devices_indices_map(shape)
+    for device, index in index_map.items():
+        if value is not None:  # sender: its devices hold row 0
+            local = {s.device: s.data for s in value.addressable_shards}
+            shards.append(local[device][None])
+        else:
+            block = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
+            shards.append(jax.device_put(jnp.zeros(block, aval.dtype), device))
+    stacked = jax.make_array_from_single_device_arrays(shape, pair_sharding, shards)
+    moved = move(stacked)
+    if value is not None:
+        return None
+    dst_devices = dst.device_set
+    pieces = [s.data[0] for s in moved.addressable_shards if s.device in dst_devices]
+    del me
+    return jax.make_array_from_single_device_arrays(tuple(aval.shape), dst, pieces)

@@ -1,0 +1,55 @@
+"""One process of the 2-process engine test: run a pipelined step, compare with local jax.jit.
+
+Usage: python multihost_worker.py PROCESS_ID PORT SCHEDULE [die]
+Prints 'OK <n>' after checking n arrays bitwise against a single-process reference. With `die`,
+process 1 kills itself (SIGKILL) after compiling, to test that its peer exits instead of hanging.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+
+pid, port, schedule_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 1)
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, heartbeat_timeout_seconds=10)
+
+import numpy as np  # noqa: E402
+from engine_models import clipping_sgd, make_step, tied_mlp_setup  # noqa: E402
+
+import jaxpp_integration as jaxpp  # noqa: E402
+
+schedule = {
+    "1f1b": jaxpp.Std1F1B(2),
+    "interleaved": jaxpp.Interleaved1F1B(num_stages=4, mpmd_dim=2),
+}[schedule_name]
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 1), ("stage", "fsdp"))
+mpmd_mesh = jaxpp.MpmdMesh(mesh, "stage")
+params, batch, loss_fn = tied_mlp_setup(schedule.num_stages, 4)
+opt = clipping_sgd()
+step = make_step(loss_fn, opt, schedule)
+compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh).compile(
+    params, opt.init(params), batch
+)
+if sys.argv[4:] == ["die"] and pid == 1:
+    import os
+    import signal
+
+    print("process 1: killing myself", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+ref_step = jax.jit(step)
+r = (params, opt.init(params))
+p = r
+for _ in range(3):
+    with jax.default_device(jax.local_devices()[0]):
+        r_out = ref_step(*r, batch)
+    p_out = compiled(*p, batch)
+    r, p = r_out[:2], p_out[:2]
+checked = 0
+for ref, got in zip(jax.tree.leaves(r_out), jax.tree.leaves(p_out), strict=True):
+    for arr in got.arrays.values():
+        np.testing.assert_array_equal(np.asarray(ref), np.asarray(arr))
+        checked += 1
+print(f"OK {checked} local arrays; groups here: {sorted(compiled.local_ranks)}", flush=True)
