@@ -85,7 +85,13 @@ def execute(
         elif isinstance(ins, Transfer):
             src_here, dst_here = ins.src_rank in local_ranks, ins.dst_rank in local_ranks
             if src_here and dst_here:
-                regs[ins.dst] = jax.device_put(regs[ins.src], slot_sharding[ins.dst])
+                batch = prog.transfer_batches.get(idx)
+                if batch is not None:  # one device_put for a run of local transfers
+                    moved = jax.device_put(
+                        [regs[t.src] for t in batch], [slot_sharding[t.dst] for t in batch]
+                    )
+                    for t, v in zip(batch, moved):
+                        regs[t.dst] = v
             elif src_here or dst_here:
                 regs[ins.dst] = cross_process_transfer(
                     regs[ins.src] if src_here else None,
@@ -118,8 +124,24 @@ def execute(
 
 
 def prepare(prog: Program, slot_sharding, local_ranks) -> None:
-    """Puts the program's constants on this process's groups once, and sizes every slot."""
+    """Puts the program's constants on this process's groups once, sizes every slot, and groups
+    runs of consecutive local transfers so each run is one `device_put` call."""
     prog.slot_bytes = [_nbytes(a) for a in prog.slot_aval]
+    prog.transfer_batches = {}
+    start = None
+    for idx, ins in enumerate(prog.instrs):
+        local = (
+            isinstance(ins, Transfer)
+            and ins.src_rank in local_ranks
+            and ins.dst_rank in local_ranks
+        )
+        if local and start is None:
+            start = idx
+            prog.transfer_batches[start] = [ins]
+        elif local:
+            prog.transfer_batches[start].append(ins)
+        else:
+            start = None
     prog.constants_on_device = {
         s: jax.device_put(v, slot_sharding[s])
         for s, v in prog.constants.items()
