@@ -54,6 +54,7 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
         placed[v] = frozenset([r])
     eqn_ranks: dict = {}
     free_after = []
+    reductions = []  # eqns combining values of different groups (their inputs share no rank)
     for eqn in after:
         if eqn.primitive is treduce_p:
             raise ValueError(f"a second treduce at {source_line(eqn)} is not supported")
@@ -63,6 +64,8 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
             continue
         common = frozenset.intersection(*sets)
         ranks = common if common else frozenset.union(*sets)
+        if not common:
+            reductions.append(eqn)
         if eqn.effects and len(ranks) > 1:
             raise ValueError(
                 f"cannot place {eqn.primitive} at {source_line(eqn)}: a side-effecting equation "
@@ -71,6 +74,7 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
         eqn_ranks[id(eqn)] = ranks
         for o in eqn.outvars:
             placed[o] = ranks
+    _widen_small_reductions(after, reductions, eqn_ranks, placed)
 
     need: dict = {}
 
@@ -100,6 +104,39 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
         for v in eqn.invars:
             add_need(v, ranks)
     return Placement(before, loop_eqn, after, placed, eqn_ranks, free_eqns, need, output_ranks)
+
+
+SMALL_REDUCTION_ELEMENTS = 4096
+
+
+def _widen_small_reductions(after, reductions, eqn_ranks, placed) -> None:
+    """Runs each small cross-group reduction (a sum of per-group norms, a step counter) on every
+    group that reads its result, not only on the groups of its inputs. A chain of adds over p
+    groups then runs in one round on every group (all partials sent at once) instead of p rounds
+    growing one group at a time; each group adds in the same order, so results stay bitwise."""
+    readers: dict = {}
+    for eqn in after:
+        for v in eqn.invars:
+            if isinstance(v, Var) and id(eqn) in eqn_ranks:
+                readers.setdefault(v, []).append(eqn)
+    for eqn in reversed(reductions):
+        if any(_size(o.aval) > SMALL_REDUCTION_ELEMENTS for o in eqn.outvars):
+            continue
+        ranks = set(eqn_ranks[id(eqn)])
+        for o in eqn.outvars:
+            for reader in readers.get(o, ()):
+                ranks |= eqn_ranks[id(reader)]
+        ranks = frozenset(ranks)
+        eqn_ranks[id(eqn)] = ranks
+        for o in eqn.outvars:
+            placed[o] = ranks
+
+
+def _size(aval) -> int:
+    n = 1
+    for d in getattr(aval, "shape", ()):
+        n *= d
+    return n
 
 
 def after_segments(placement: Placement) -> dict:
