@@ -115,10 +115,11 @@ def peak_tflops(config: Config, platform: str, device_kind: str) -> Peak:
         cores = os.cpu_count() or 1
         host = cores * _cpu_flops_per_cycle() * CPU_ASSUMED_GHZ * 1e9 / 1e12
         per_device = host / max(config.num_devices, 1)
+        shared = f" / {config.num_devices} emulated devices" if config.num_devices > 1 else ""
         return Peak(
             per_device,
             f"CPU estimate: {cores} cores x {_cpu_flops_per_cycle()} f32 FLOP/cycle x "
-            f"{CPU_ASSUMED_GHZ} GHz / {config.num_devices} emulated devices",
+            f"{CPU_ASSUMED_GHZ} GHz{shared}",
             estimate=True,
         )
     matches = [name for name in GPU_PEAK_TFLOPS if name.lower() in device_kind.lower()]

@@ -9,8 +9,10 @@ The only pipeline knowledge here is where stages end: when `config.num_stages > 
 last (`config.stage_layers` says how many layers each stage has). So the embedding lands in the
 first stage and final norm, logits and the loss in the last. The markers sit between layers, at the
 top level of the model, never inside a rematerialised layer; outside pipelined tracing they are the
-identity. Layers are unrolled (`layers_0`, `layers_1`, ...) unless `scan_layers=true`, which stacks
-them under `layers` with a leading layer axis (SPMD only; config validation enforces that).
+identity. The hidden state between layers carries logical axis names (`activation_batch`, ...);
+they constrain sharding only when the trainer activates the rules (SPMD), no-ops otherwise.
+Layers are unrolled (`layers_0`, `layers_1`, ...) unless `scan_layers=true`, which stacks them
+under `layers` with a leading layer axis (SPMD only; config validation enforces that).
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class Decoder(nn.Module):
             (c.vocab_size, c.emb_dim),
             wdtype,
         )
-        x_BxLxE = jnp.take(embedding_VxE, tokens_BxL, axis=0).astype(dtype)
+        # FSDP: gather the table's embed axis before the lookup (as for every other weight).
+        table_VxE = nn.with_logical_constraint(
+            embedding_VxE, ("activation_vocab", "activation_embed")
+        )
+        x_BxLxE = jnp.take(table_VxE, tokens_BxL, axis=0).astype(dtype)
         if c.decoder_block == "gpt":
             position_PxE = self.param(
                 "position_embedding",
@@ -49,6 +55,7 @@ class Decoder(nn.Module):
                 wdtype,
             )
             x_BxLxE = x_BxLxE + jnp.take(position_PxE, positions_BxL, axis=0).astype(dtype)
+        x_BxLxE = _constrain(x_BxLxE)
 
         if c.scan_layers:
             x_BxLxE = self._scanned_layers(x_BxLxE, positions_BxL)
@@ -56,7 +63,7 @@ class Decoder(nn.Module):
             layer_cls = layers.layer_class(c)
             stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
             for i in range(c.num_decoder_layers):
-                x_BxLxE = layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL)
+                x_BxLxE = _constrain(layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL))
                 if i in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
 
@@ -86,6 +93,13 @@ class Decoder(nn.Module):
         )
         x_BxLxE, _ = scanned(c, name="layers")(x_BxLxE, positions_BxL)
         return x_BxLxE
+
+
+def _constrain(x_BxLxE):
+    """Names the hidden state's axes; a sharding constraint only where rules are active (SPMD)."""
+    return nn.with_logical_constraint(
+        x_BxLxE, ("activation_batch", "activation_length", "activation_embed")
+    )
 
 
 def _stage_ends(stage_layers: tuple[int, ...]) -> list[int]:

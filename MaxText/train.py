@@ -3,7 +3,7 @@
     python train.py configs/base.yml [key=value ...]      (or: python -m MaxText.train ...)
 
 Order: config -> devices (emulated CPU devices if needed) -> mesh -> data -> model + compiled steps
--> state (fresh, or restored: see `restore_or_init`) -> loop -> metrics / checkpoints.
+-> state (fresh, or restored: `MaxText/checkpointing.py`) -> loop -> metrics / checkpoints.
 
 The loop dispatches step N+1 before reading step N's metrics back, so the host prepares the next
 batch while the devices work; step time is the interval between consecutive step completions.
@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from MaxText import devices, flops, sharding
+from MaxText.checkpointing import Checkpoints
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.metrics import MetricsLogger
 from MaxText.model import count_params
@@ -35,26 +36,6 @@ log = logging.getLogger("MaxText")
 
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN or infinite."""
-
-
-def restore_or_init(config: Config, trainer: Trainer, data: Any) -> Any:
-    """The checkpoint seam: returns the state to start from.
-
-    Today: a fresh state. The checkpoint issue restores here the latest complete checkpoint of
-    `config.output_dir` (state in the layout of `trainer.abstract_state` / `trainer.state_specs`,
-    plus `data.train.set_state(...)`), or params from `load_parameters_path`.
-    """
-    del data
-    return trainer.init_state()
-
-
-def maybe_save(config: Config, step: int, state: Any, data: Any, final: bool) -> None:
-    """The checkpoint seam: called after every step with the state after `step` steps.
-
-    The checkpoint issue saves here every `checkpoint_period` steps and at the end (`final`),
-    together with `data.train.get_state()`.
-    """
-    del config, step, state, data, final
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -68,9 +49,17 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     step_flops = flops.training_flops_per_step(config)
     tflops_per_device = step_flops.total / config.num_devices / 1e12
 
-    state = restore_or_init(config, trainer, data)
+    checkpoints = Checkpoints(config, trainer)
+    try:
+        state = checkpoints.restore_or_init(data)
+    except BaseException:
+        checkpoints.close()
+        raise
     start = int(np.asarray(state["step"]))
     logger = MetricsLogger(config, mfu_estimate=peak.estimate, start_step=start)
+    info = getattr(data, "info", None)
+    if info is not None:
+        logger.info(info.summary())
     logger.info(
         f"model: {config.model_name} ({config.decoder_block}), "
         f"{count_params(state['params']):,} parameters; "
@@ -92,6 +81,7 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     if start >= config.steps:
         logger.info(f"run {config.run_name} is already at step {start} >= steps={config.steps}")
         logger.close()
+        checkpoints.close()
         return {}
 
     train_iter = iter(data.train)
@@ -152,18 +142,28 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
                 finish(step, metrics, evaluate_now=True)
             else:
                 pending = (step, metrics)
-            maybe_save(config, step, state, data, final=step == config.steps)
+            checkpoints.maybe_save(step, state, data, final=step == config.steps)
         if pending is not None:
             finish(*pending, evaluate_now=False)
     finally:
         logger.close()
+        checkpoints.close()  # waits for an async save still being written
     return last
+
+
+def _setup_logging() -> None:
+    """INFO lines of the MaxText.* loggers to stderr, whatever imported libraries configured."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def main(argv: Sequence[str]) -> int:
     """Entry point; returns the process exit code (0 ok, 1 diverged, 2 config error)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing chatter
+    _setup_logging()
     try:
         config = load_config(argv)
         devs = devices.setup(config)
@@ -186,6 +186,9 @@ def main(argv: Sequence[str]) -> int:
     except TrainingDivergedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # e.g. a checkpoint of another model or seed
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     if last:
         summary = f"done: {config.steps} steps, loss {last['loss']:.4f}"
         if "eval_loss" in last:

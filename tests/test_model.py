@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from jaxpp_integration import marker as jaxpp_marker
 from MaxText import layers, sharding
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder, cross_entropy_sums
+from MaxText.train_step import CPU_INIT_COMPILER_OPTIONS
 
 SMALL = [
     "emb_dim=32",
@@ -27,6 +30,10 @@ SMALL = [
 ]
 
 
+GPT = ("decoder_block=gpt", "logits_via_embedding=true")
+
+
+@functools.cache
 def small_config(*overrides: str):
     return load_config([str(CONFIGS_DIR / "base.yml"), *SMALL, *overrides])
 
@@ -38,14 +45,23 @@ def tokens(config, batch=2, seed=0):
     )
 
 
+# Compiles are the cost of these tests: initialise and jit each config's forward pass once.
+@functools.cache
 def init(config, seed=0):
     model = Decoder(config)
-    boxed = jax.jit(model.init)(jax.random.key(seed), tokens(config))["params"]
+    args = (jax.random.key(seed), tokens(config))
+    options = CPU_INIT_COMPILER_OPTIONS if jax.devices()[0].platform == "cpu" else {}
+    boxed = jax.jit(model.init).lower(*args).compile(compiler_options=options)(*args)["params"]
     return model, boxed
 
 
+@functools.cache
+def _jitted_apply(config):
+    return jax.jit(Decoder(config).apply)
+
+
 def apply(model, params, x):
-    return jax.jit(model.apply)({"params": params}, x)
+    return _jitted_apply(model.config)({"params": params}, x)
 
 
 def test_llama_parameter_tree_and_logical_axes():
@@ -77,7 +93,7 @@ def test_llama_parameter_tree_and_logical_axes():
 
 
 def test_gpt_block_and_tied_head():
-    config = small_config("decoder_block=gpt", "logits_via_embedding=true")
+    config = small_config(*GPT)
     model, boxed = init(config)
     params = nn.unbox(boxed)
     assert "position_embedding" in params and "logits_kernel" not in params
@@ -87,9 +103,9 @@ def test_gpt_block_and_tied_head():
     assert logits.shape == (2, 16, 64) and logits.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("block", ["llama", "gpt"])
-def test_causal(block):
-    config = small_config(f"decoder_block={block}")
+@pytest.mark.parametrize("overrides", [(), GPT], ids=["llama", "gpt-tied"])
+def test_causal(overrides):
+    config = small_config(*overrides)
     model, boxed = init(config)
     params = nn.unbox(boxed)
     x = tokens(config)
@@ -186,6 +202,12 @@ def test_no_markers_without_pipeline():
     assert top == [] and nested == []
 
 
+@functools.cache
+def _base_loss_and_grads():
+    config = small_config()
+    return _loss_and_grads(config, nn.unbox(init(config)[1]))
+
+
 def _loss_and_grads(config, params):
     model = Decoder(config)
     x = tokens(config)
@@ -205,9 +227,8 @@ def test_every_remat_policy_builds():
 
 @pytest.mark.parametrize("policy", ["full", "minimal"])
 def test_remat_policies_do_not_change_numbers(policy):
-    base = small_config()
-    params = nn.unbox(init(base)[1])
-    loss0, grads0 = _loss_and_grads(base, params)
+    params = nn.unbox(init(small_config())[1])
+    loss0, grads0 = _base_loss_and_grads()
     loss1, grads1 = _loss_and_grads(small_config(f"remat_policy={policy}"), params)
     # Recomputation repeats the same float32 ops; XLA may fuse them differently: 1e-6 relative.
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
@@ -224,7 +245,7 @@ def test_scan_layers_matches_unrolled():
         lambda *xs: jnp.stack(xs),
         *[params[f"layers_{i}"] for i in range(unrolled.num_decoder_layers)],
     )
-    shapes = jax.tree.map(jnp.shape, nn.unbox(init(scanned)[1]))
+    shapes = jax.tree.map(jnp.shape, abstract_params(scanned)[1])
     assert shapes == jax.tree.map(jnp.shape, stacked)
     x = tokens(unrolled)
     a = apply(Decoder(unrolled), params, x)
@@ -234,10 +255,10 @@ def test_scan_layers_matches_unrolled():
 
 def test_bfloat16_compute_keeps_f32_weights_and_logits():
     config = small_config("dtype=bfloat16")
-    model, boxed = init(config)
-    params = nn.unbox(boxed)
+    params = abstract_params(config)[1]  # weight_dtype=float32: stored in float32
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
-    logits = apply(model, params, tokens(config))
+    params = nn.unbox(init(small_config())[1])  # same tree: reuse the float32 model's values
+    logits = apply(Decoder(config), params, tokens(config))
     assert logits.dtype == jnp.float32
     f32 = apply(Decoder(small_config()), params, tokens(config))
     assert float(jnp.max(jnp.abs(logits - f32))) < 0.1  # same model, bf16 rounding only

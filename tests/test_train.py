@@ -4,6 +4,7 @@ step agrees with the unpipelined one, the loop logs what it promises, NaN aborts
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -64,11 +65,14 @@ def make_batches(config, n, seed=0):
     return out
 
 
-def train(tmp_path, *overrides, steps=3):
-    """(per-step losses, initial params, final params) as numpy."""
+def build(tmp_path, *overrides):
     config = small_config(tmp_path, *overrides)
-    mesh = sharding.make_mesh(config, devices.setup(config))
-    trainer = build_trainer(config, mesh)
+    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+
+
+def train(tmp_path, *overrides, trainer=None, steps=3):
+    """(per-step losses, initial params, final params) as numpy."""
+    config, trainer = trainer or build(tmp_path, *overrides)
     state = trainer.init_state()
     init = jax.tree.map(np.asarray, state["params"])
     losses = []
@@ -93,8 +97,14 @@ def assert_same_training(a, b, loss_rtol, param_rtol, update_rtol):
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("one"))
+def one_device_trainer(tmp_path_factory):
+    """(config, trainer) on one device; the loop tests reuse its compiled step."""
+    return build(tmp_path_factory.mktemp("one"))
+
+
+@pytest.fixture(scope="module")
+def one_device(one_device_trainer):
+    return train(None, trainer=one_device_trainer)
 
 
 def test_microbatches_are_strided_rows():
@@ -150,45 +160,49 @@ METRIC_KEYS = {
 }
 
 
-def test_loop_writes_metrics_and_evaluates(tmp_path):
-    config = small_config(
-        tmp_path,
-        "steps=4",
-        "log_period=2",
-        "eval_interval=3",
-        "run_name=loop",
-        "enable_tensorboard=true",
-    )
-    mesh = sharding.make_mesh(config, devices.setup(config))
-    last = run(config, build_trainer(config, mesh), _Data(config))
+def loop_config(config, tmp_path, **loop_keys):
+    """The same model and step with other loop-only keys (logging, evaluation, outputs)."""
+    output_dir = str(tmp_path / "run")
+    return dataclasses.replace(config, output_dir=output_dir, **loop_keys)
+
+
+def test_loop_writes_metrics_and_evaluates(one_device_trainer, one_device, tmp_path):
+    config, trainer = one_device_trainer
+    config = loop_config(config, tmp_path, log_period=2, eval_interval=1, enable_tensorboard=True)
+    last = run(config, trainer, _Data(config))
     records = [json.loads(line) for line in Path(config.metrics_file).read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 3, 4]  # log_period, eval at 3, the last step
-    for r in records:
+    assert [r["step"] for r in records] == [1, 2, 3]  # eval every step forces a record
+    config = loop_config(config, tmp_path / "b", log_period=2, eval_interval=0)
+    run(config, trainer, _Data(config))
+    plain = [json.loads(line) for line in Path(config.metrics_file).read_text().splitlines()]
+    assert [r["step"] for r in plain] == [2, 3]  # log_period, and the last step
+    for r in records + plain:
         assert METRIC_KEYS <= set(r)
         assert r["step_time_s"] > 0 and r["tokens_per_s_per_device"] > 0 and r["mfu"] > 0
-    assert "eval_loss" in records[1] and "eval_loss" in records[2] and "eval_loss" not in records[0]
-    assert records[1]["eval_batches"] == 2 and np.isfinite(records[1]["eval_loss"])
+    assert all("eval_loss" in r and r["eval_batches"] == 2 for r in records)
+    assert not any("eval_loss" in r for r in plain)
+    assert [r["loss"] for r in records[1:]] == [r["loss"] for r in plain]  # same run, same data
     assert last == records[-1]
+    assert [r["loss"] for r in records] == one_device[0].tolist()  # the loop runs the same steps
     assert any(Path(config.tensorboard_dir).glob("events.out.tfevents.*"))
 
 
-def test_nan_loss_aborts_with_step_number(tmp_path):
+def test_nan_loss_aborts_with_step_number(one_device_trainer, tmp_path):
     """The loop reads metrics one step late; the abort must still name the step that diverged."""
-    config = small_config(tmp_path, "steps=4", "log_period=10", "eval_interval=0")
-    mesh = sharding.make_mesh(config, devices.setup(config))
-    trainer = build_trainer(config, mesh)
-    real_step, calls = trainer.train_step, []
+    config, trainer = one_device_trainer
+    config = loop_config(config, tmp_path, log_period=10, eval_interval=0)
+    calls = []
 
     def step_with_nan_at_2(state, batch):
-        state, metrics = real_step(state, batch)
+        state, metrics = trainer.train_step(state, batch)
         calls.append(1)
         if len(calls) == 2:
             metrics = {**metrics, "loss": metrics["loss"] * float("nan")}
         return state, metrics
 
-    trainer.train_step = step_with_nan_at_2
+    nan_trainer = dataclasses.replace(trainer, train_step=step_with_nan_at_2)
     with pytest.raises(TrainingDivergedError, match=r"loss is nan at step 2; aborting"):
-        run(config, trainer, _Data(config))
+        run(config, nan_trainer, _Data(config))
 
 
 def test_train_py_has_a_pulse(tmp_path):
@@ -259,10 +273,38 @@ def test_pipeline_with_fsdp_inside_stages(unpipelined_m4, tmp_path):
 
 
 @pytest.mark.slow
-def test_pipelined_loop_logs_and_evaluates(tmp_path):
-    config = small_config(
-        tmp_path, "pipeline_parallelism=2", "steps=2", "log_period=1", "eval_interval=2"
+def test_train_py_pipelined_emulates_devices(tmp_path):
+    """A fresh CPU process asked for pipeline_parallelism=2 emulates 2 devices, says so once."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "configs/base.yml",
+            "pipeline_parallelism=2",
+            "num_decoder_layers=2",
+            "steps=2",
+            "log_period=1",
+            "eval_interval=2",
+            "eval_steps=1",
+            "dataset_type=synthetic",
+            "max_target_length=32",
+            "per_device_batch_size=4",
+            f"base_output_directory={tmp_path}",
+            "run_name=pp2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    mesh = sharding.make_mesh(config, devices.setup(config))
-    last = run(config, build_trainer(config, mesh), _Data(config))
-    assert last["step"] == 2 and np.isfinite(last["eval_loss"]) and METRIC_KEYS <= set(last)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    emulation = [x for x in proc.stderr.splitlines() if "emulating" in x]
+    assert emulation == [
+        "emulating 2 CPU devices for ici_pipeline_parallelism=2 (this host has no accelerator)"
+    ]
+    assert "schedule 1f1b, stages of [1, 1] layers" in proc.stdout
+    records = [json.loads(x) for x in (tmp_path / "pp2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and np.isfinite(records[-1]["eval_loss"])
