@@ -84,12 +84,42 @@ class Program:
     mpmd_dim: int
 
 
+_INDEX_AVAL = jax.core.ShapedArray((), np.int32)
+
+
 class _Builder:
-    def __init__(self, mpmd_dim):
-        self.mpmd_dim = mpmd_dim
+    """Builds one `Program`; each section of the step has one method, called in order."""
+
+    def __init__(
+        self,
+        closed,
+        placement: Placement,
+        body: PartitionedBody,
+        schedule,
+        n_mb,
+        ops,
+        axis,
+        loop_need: dict,
+    ):
+        self.jaxpr = closed.jaxpr
+        self.placement, self.body, self.schedule = placement, body, schedule
+        self.n_mb, self.ops, self.axis, self.loop_need = n_mb, ops, axis, loop_need
+        self.mpmd_dim = schedule.mpmd_dim
         self.slot_rank, self.slot_aval, self.slot_kind = [], [], []
-        self.instrs = []
-        self.constants = {}
+        self.instrs: list = []
+        self.constants: dict = {}
+        self.where: dict = {}  # (top-level var, rank) -> slot
+        self.mb_slot: dict = {}  # (body var, microbatch, rank) -> slot
+        self.acc_slot: dict = {}  # body output index -> current accumulator slot
+        self.index_slot: dict = {}  # (rank, microbatch) -> int32 constant slot
+        loop_eqn = placement.loop_eqn
+        n_consts = loop_eqn.params["n_consts"]
+        self.loop_eqn = loop_eqn
+        self.loop_consts, self.loop_xs = loop_eqn.invars[:n_consts], loop_eqn.invars[n_consts:]
+        self.acc_rank = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
+        self.free_out = {o for e in placement.free_eqns for o in e.outvars}
+
+    # ---------------------------------------------------------------- slots
 
     def new(self, rank, aval, kind):
         self.slot_rank.append(rank)
@@ -102,164 +132,190 @@ class _Builder:
         self.constants[s] = value
         return s
 
+    def on_rank(self, v, rank) -> int:
+        """The slot of top-level value `v` on `rank`, transferring it there if needed."""
+        if isinstance(v, Literal):
+            return self.constant(rank, np.asarray(v.val), v.aval)
+        if (v, rank) not in self.where:
+            src = min(r for (u, r) in self.where if u is v)
+            dst = self.new(rank, v.aval, "value")
+            self.instrs.append(Transfer(self.where[(v, src)], dst, src, rank))
+            self.where[(v, rank)] = dst
+        return self.where[(v, rank)]
+
+    def index(self, rank, mb) -> int:
+        if (rank, mb) not in self.index_slot:
+            self.index_slot[(rank, mb)] = self.constant(rank, np.int32(mb), _INDEX_AVAL)
+        return self.index_slot[(rank, mb)]
+
+    # ---------------------------------------------------------------- sections
+
+    def step_inputs(self) -> list:
+        inputs = []
+        for v in [*self.jaxpr.invars, *self.jaxpr.constvars]:
+            slots = {}
+            for r in sorted(self.placement.need.get(v, ())):
+                slots[r] = self.where[(v, r)] = self.new(r, v.aval, "input")
+            inputs.append(slots)
+        return inputs
+
+    def before_loop(self) -> None:
+        """Free work the loop (or a free step output) needs, replicated per rank, plus the
+        accumulator inits. Free work only after-loop tasks need is recomputed inside them, so
+        the optimizer compiles as one piece, as it does under plain jax.jit."""
+        body_out_avals = self.loop_eqn.params["body"].out_avals
+        for r in range(self.mpmd_dim):
+            targets = {v for v, ranks in self.loop_need.items() if r in ranks}
+            targets |= {
+                v
+                for v, ranks in zip(self.jaxpr.outvars, self.placement.output_ranks)
+                if r in ranks and v in self.free_out
+            }
+            eqns = _dce(self.placement.free_eqns, targets)
+            produced = [o for e in eqns for o in e.outvars if o in targets]
+            accs = [j for j in range(len(body_out_avals)) if self.acc_rank[j] == r]
+            if not eqns and not accs:
+                continue
+            reads = _reads(eqns)
+            inits = tuple((self.ops[j], self.n_mb, body_out_avals[j]) for j in accs)
+            code = TaskCode(f"before_loop_{r}", r, "before", eqns, reads, produced, acc_inits=inits)
+            outs = []
+            for o in produced:
+                outs.append(self.new(r, o.aval, "value"))
+                self.where[(o, r)] = outs[-1]
+            for j in accs:
+                self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
+                outs.append(self.acc_slot[j])
+            ins = tuple(self.where[(v, r)] for v in reads) + (self.index(r, 0),)  # pins the rank
+            self.instrs.append(Run(code, ins, tuple(outs), None))
+
+    def loop(self) -> None:
+        """One task instance per (stage, phase, microbatch), in the schedule's replayed order."""
+        body, schedule = self.body, self.schedule
+        self.const_index = {v: i for i, v in enumerate(body.const_vars)}
+        self.mb_index = {v: i for i, v in enumerate(body.mb_vars)}
+        self.consumers: dict = {}  # body var -> ranks of loop tasks reading it
+        for (stage, _), task in body.tasks.items():
+            for v in task.invars:
+                self.consumers.setdefault(v, set()).add(schedule.stage_to_rank(stage))
+        self.codes: dict = {}
+        replay = list_schedule(
+            schedule.tasks(self.n_mb),
+            schedule.num_stages,
+            schedule.split_backward,
+            schedule.stage_to_rank,
+            duration=lambda item: sum(
+                2.0 if t.phase is Phase.BWD else 1.0 for t in item_tasks(item)
+            ),
+        )
+        replay.sort(key=lambda s: (s.start, s.rank))
+        for sched in replay:
+            for t in item_tasks(sched.item):
+                self.loop_task(t, sched.rank)
+
+    def loop_task(self, t: Task, rank) -> None:
+        task = self.body.tasks[(t.stage, t.phase)]
+        if not task.eqns and not task.owned_outputs:
+            return
+        mb = t.microbatch
+        key = (t.stage, t.phase, rank)
+        if key not in self.codes:
+            self.codes[key] = TaskCode(
+                task.name,
+                rank,
+                "loop",
+                task.eqns,
+                task.invars,
+                task.outvars,
+                t.stage,
+                t.phase,
+                mb_slices=tuple(i for i, v in enumerate(task.invars) if v in self.mb_index),
+                acc_ops=tuple((self.ops[j], self.body.outvars[j]) for j in task.owned_outputs),
+                mb_axis=self.axis,
+            )
+        ins = []
+        for v in task.invars:
+            if v in self.const_index:
+                ins.append(self.on_rank(self.loop_consts[self.const_index[v]], rank))
+            elif v in self.mb_index:
+                ins.append(self.on_rank(self.loop_xs[self.mb_index[v]], rank))
+            else:
+                ins.append(self.mb_slot[(v, mb, rank)])
+        accs = [self.acc_slot[j] for j in task.owned_outputs]
+        kind = "activation" if t.phase is Phase.FWD else "value"
+        outs = []
+        for v in task.outvars:
+            outs.append(self.new(rank, v.aval, kind))
+            self.mb_slot[(v, mb, rank)] = outs[-1]
+        new_accs = [self.new(rank, self.slot_aval[a], "acc") for a in accs]
+        donate = tuple(range(len(ins), len(ins) + len(accs)))
+        self.instrs.append(
+            Run(
+                self.codes[key], (*ins, *accs, self.index(rank, mb)), (*outs, *new_accs), mb, donate
+            )
+        )
+        for j, s in zip(task.owned_outputs, new_accs):
+            self.acc_slot[j] = s
+        for v, s in zip(task.outvars, outs):  # send right away, so the transfer overlaps
+            for r in sorted(self.consumers.get(v, ())):
+                if r != rank:
+                    dst = self.new(r, v.aval, "value")  # "activation": a rank's own stage only
+                    self.instrs.append(Transfer(s, dst, rank, r))
+                    self.mb_slot[(v, mb, r)] = dst
+
+    def after_loop(self) -> None:
+        """Placed work per (segment, rank), inputs from other ranks transferred in first."""
+        for j, v in enumerate(self.loop_eqn.outvars):
+            self.where[(v, self.acc_rank[j])] = self.acc_slot[j]
+        seg = after_segments(self.placement)
+        groups: dict = {}
+        for e in self.placement.after:
+            for r in self.placement.eqn_ranks.get(id(e), ()):
+                groups.setdefault((seg[(id(e), r)], r), []).append(e)
+        step_outs = {v for v in self.jaxpr.outvars if isinstance(v, Var)}
+        for (k, r), eqns in sorted(groups.items()):
+            missing = {v for v in _reads(eqns) if v in self.free_out and (v, r) not in self.where}
+            eqns = _dce(self.placement.free_eqns, missing) + eqns
+            reads = _reads(eqns)
+            ins = tuple(self.on_rank(v, r) for v in reads)
+            # export only what other tasks or the step's outputs read; the rest stays fused
+            mine = {id(e) for e in eqns}
+            read_elsewhere = {
+                v
+                for (k2, r2), other in groups.items()
+                if (k2, r2) != (k, r)
+                for e in other
+                if id(e) not in mine or r2 != r
+                for v in e.invars
+                if isinstance(v, Var)
+            }
+            produced = [o for e in eqns for o in e.outvars if o in read_elsewhere or o in step_outs]
+            outs = []
+            for o in produced:
+                outs.append(self.new(r, o.aval, "value"))
+                self.where[(o, r)] = outs[-1]
+            code = TaskCode(f"after_loop_{r}_{k}", r, "after", eqns, reads, produced)
+            self.instrs.append(Run(code, ins, tuple(outs), None))
+
+    def step_outputs(self) -> list:
+        return [
+            {r: self.on_rank(v, r) for r in sorted(ranks)}
+            for v, ranks in zip(self.jaxpr.outvars, self.placement.output_ranks)
+        ]
+
 
 def build_program(
     closed, placement: Placement, body: PartitionedBody, schedule, n_mb, ops, axis, loop_need: dict
-):
-    jaxpr = closed.jaxpr
-    b = _Builder(schedule.mpmd_dim)
-    where: dict = {}  # (var, rank) -> slot, for top-level values
-    top_inputs = [*jaxpr.invars, *jaxpr.constvars]
-    inputs = []
-    for v in top_inputs:
-        slots = {}
-        for r in sorted(placement.need.get(v, ())):
-            slots[r] = where[(v, r)] = b.new(r, v.aval, "input")
-        inputs.append(slots)
-
-    loop_eqn = placement.loop_eqn
-    n_consts = loop_eqn.params["n_consts"]
-    loop_consts = loop_eqn.invars[:n_consts]
-    loop_xs = loop_eqn.invars[n_consts:]
-    rank_of_stage = schedule.stage_to_rank
-    acc_rank = [rank_of_stage(stage) for stage, _ in body.output_owner]
-
-    # ---- before the loop: free work the loop (or a free step output) needs, replicated per
-    # rank, plus accumulator inits. Free work that only after-loop tasks need is recomputed
-    # inside them, so the optimizer compiles as one piece, as it does under plain jax.jit.
-    free_out = {o for e in placement.free_eqns for o in e.outvars}
-    acc_slot: dict = {}
-    for r in range(b.mpmd_dim):
-        targets = {v for v, ranks in loop_need.items() if r in ranks}
-        targets |= {
-            v
-            for v, ranks in zip(jaxpr.outvars, placement.output_ranks)
-            if r in ranks and v in free_out
-        }
-        eqns = _dce(placement.free_eqns, targets)
-        produced = [o for e in eqns for o in e.outvars if o in targets]
-        reads = _reads(eqns, extra=())
-        inits = tuple(
-            (ops[j], n_mb, aval)
-            for j, aval in enumerate(loop_eqn.params["body"].out_avals)
-            if acc_rank[j] == r
-        )
-        if not eqns and not inits:
-            continue
-        code = TaskCode(f"before_loop_{r}", r, "before", eqns, reads, produced, acc_inits=inits)
-        outs = []
-        for o in produced:
-            outs.append(b.new(r, o.aval, "value"))
-            where[(o, r)] = outs[-1]
-        for j in range(len(loop_eqn.params["body"].out_avals)):
-            if acc_rank[j] == r:
-                out_aval = loop_eqn.outvars[j].aval
-                acc_slot[j] = b.new(r, out_aval, "acc")
-                outs.append(acc_slot[j])
-        anchor = b.constant(r, np.int32(0), jax.core.ShapedArray((), np.int32))  # pins the rank
-        b.instrs.append(
-            Run(code, tuple(where[(v, r)] for v in reads) + (anchor,), tuple(outs), None)
-        )
-
-    # ---- the loop, one task instance per (stage, phase, microbatch) in schedule order
-    body_const_index = {v: i for i, v in enumerate(body.const_vars)}
-    body_mb_index = {v: i for i, v in enumerate(body.mb_vars)}
-    consumers: dict = {}  # body var -> ranks of loop tasks reading it
-    for key, task in body.tasks.items():
-        for v in task.invars:
-            consumers.setdefault(v, set()).add(rank_of_stage(key[0]))
-    loop_codes: dict = {}
-    mb_slot: dict = {}  # (body var, mb, rank) -> slot
-    index_slot: dict = {}
-    replay = list_schedule(
-        schedule.tasks(n_mb),
-        schedule.num_stages,
-        schedule.split_backward,
-        schedule.stage_to_rank,
-        duration=lambda item: sum(2.0 if t.phase is Phase.BWD else 1.0 for t in item_tasks(item)),
-    )
-    replay.sort(key=lambda s: (s.start, s.rank))
-    for sched in replay:
-        for t in item_tasks(sched.item):
-            _emit_loop_task(
-                b,
-                t,
-                sched.rank,
-                body,
-                loop_codes,
-                loop_consts,
-                loop_xs,
-                where,
-                mb_slot,
-                acc_slot,
-                index_slot,
-                consumers,
-                ops,
-                axis,
-                body_const_index,
-                body_mb_index,
-            )
-
-    # ---- after the loop: placed work per (rank, segment), with transfers between segments
-    for j, v in enumerate(loop_eqn.outvars):
-        where[(v, acc_rank[j])] = acc_slot[j]
-    seg = after_segments(placement)
-    groups: dict = {}
-    for e in placement.after:
-        for r in placement.eqn_ranks.get(id(e), ()):
-            groups.setdefault((seg[(id(e), r)], r), []).append(e)
-    step_outs = {v for v in jaxpr.outvars if isinstance(v, Var)}
-    for (k, r), eqns in sorted(groups.items()):
-        missing = {v for v in _reads(eqns, extra=()) if v in free_out and (v, r) not in where}
-        eqns = _dce(placement.free_eqns, missing) + eqns
-        reads = _reads(eqns, extra=())
-        ins = []
-        for v in reads:
-            if (v, r) not in where:
-                src_rank = min(rr for (vv, rr) in where if vv is v)
-                dst = b.new(r, v.aval, "value")
-                b.instrs.append(Transfer(where[(v, src_rank)], dst, src_rank, r))
-                where[(v, r)] = dst
-            ins.append(where[(v, r)])
-        # export only what other tasks or the step's outputs read; the rest stays fused inside
-        mine = {id(e) for e in eqns}
-        read_elsewhere = {
-            v
-            for (k2, r2), other in groups.items()
-            if (k2, r2) != (k, r)
-            for e in other
-            if id(e) not in mine or r2 != r
-            for v in e.invars
-            if isinstance(v, Var)
-        }
-        produced = [o for e in eqns for o in e.outvars if o in read_elsewhere or o in step_outs]
-        code = TaskCode(f"after_loop_{r}_{k}", r, "after", eqns, reads, produced)
-        outs = []
-        for o in produced:
-            outs.append(b.new(r, o.aval, "value"))
-            where[(o, r)] = outs[-1]
-        b.instrs.append(Run(code, tuple(ins), tuple(outs), None))
-
-    # ---- step outputs
-    outputs = []
-    for v, ranks in zip(jaxpr.outvars, placement.output_ranks):
-        slots = {}
-        for r in sorted(ranks):
-            if isinstance(v, Literal):
-                slots[r] = b.constant(r, np.asarray(v.val), v.aval)
-            elif (v, r) in where:
-                slots[r] = where[(v, r)]
-            else:
-                src_rank = min(rr for (vv, rr) in where if vv is v)
-                dst = b.new(r, v.aval, "value")
-                b.instrs.append(Transfer(where[(v, src_rank)], dst, src_rank, r))
-                slots[r] = where[(v, r)] = dst
-        outputs.append(slots)
-
-    prog = Program(
+) -> Program:
+    b = _Builder(closed, placement, body, schedule, n_mb, ops, axis, loop_need)
+    inputs = b.step_inputs()
+    b.before_loop()
+    b.loop()
+    b.after_loop()
+    outputs = b.step_outputs()
+    return Program(
         b.instrs, b.slot_rank, b.slot_aval, b.slot_kind, inputs, outputs, b.constants, b.mpmd_dim
     )
-    return prog
 
 
 def _dce(eqns, targets):
@@ -273,7 +329,8 @@ def _dce(eqns, targets):
     return keep[::-1]
 
 
-def _reads(eqns, extra):
+def _reads(eqns):
+    """Vars the equations read but do not define, in first-use order."""
     local = {o for e in eqns for o in e.outvars}
     out = []
     for e in eqns:
@@ -281,86 +338,6 @@ def _reads(eqns, extra):
             if isinstance(v, Var) and v not in local and v not in out:
                 out.append(v)
     return out
-
-
-def _emit_loop_task(
-    b,
-    t: Task,
-    rank,
-    body,
-    codes,
-    loop_consts,
-    loop_xs,
-    where,
-    mb_slot,
-    acc_slot,
-    index_slot,
-    consumers,
-    ops,
-    axis,
-    body_const_index,
-    body_mb_index,
-):
-    task = body.tasks[(t.stage, t.phase)]
-    if not task.eqns and not task.owned_outputs:
-        return
-    mb = t.microbatch
-    key = (t.stage, t.phase, rank)
-    if key not in codes:
-        mb_positions = tuple(i for i, v in enumerate(task.invars) if v in body_mb_index)
-        acc_ops = tuple((ops[j], body.outvars[j]) for j in task.owned_outputs)
-        codes[key] = TaskCode(
-            task.name,
-            rank,
-            "loop",
-            task.eqns,
-            task.invars,
-            task.outvars,
-            t.stage,
-            t.phase,
-            mb_slices=mb_positions,
-            acc_ops=acc_ops,
-            mb_axis=axis,
-        )
-    code = codes[key]
-    ins = []
-    for v in task.invars:
-        if v in body_const_index:
-            top = loop_consts[body_const_index[v]]
-            ins.append(_top_slot(b, top, rank, where))
-        elif v in body_mb_index:
-            top = loop_xs[body_mb_index[v]]
-            ins.append(_top_slot(b, top, rank, where))
-        else:
-            ins.append(mb_slot[(v, mb, rank)])
-    accs = [acc_slot[j] for j in task.owned_outputs]
-    if (rank, mb) not in index_slot:
-        index_slot[(rank, mb)] = b.constant(rank, np.int32(mb), jax.core.ShapedArray((), np.int32))
-    ins_all = tuple(ins) + tuple(accs) + (index_slot[(rank, mb)],)
-    outs = []
-    for v in task.outvars:
-        s = b.new(rank, v.aval, "activation" if t.phase is Phase.FWD else "value")
-        mb_slot[(v, mb, rank)] = s
-        outs.append(s)
-    new_accs = []
-    for j in task.owned_outputs:
-        new_accs.append(b.new(rank, b.slot_aval[acc_slot[j]], "acc"))
-    donate = tuple(range(len(ins), len(ins) + len(accs)))
-    b.instrs.append(Run(code, ins_all, tuple(outs) + tuple(new_accs), mb, donate))
-    for j, s in zip(task.owned_outputs, new_accs):
-        acc_slot[j] = s
-    for v, s in zip(task.outvars, outs):
-        for r in sorted(consumers.get(v, ())):
-            if r != rank:
-                dst = b.new(r, v.aval, "value")  # "activation" counts a rank's own stage only
-                b.instrs.append(Transfer(s, dst, rank, r))
-                mb_slot[(v, mb, r)] = dst
-
-
-def _top_slot(b, top, rank, where):
-    if isinstance(top, Literal):
-        return b.constant(rank, np.asarray(top.val), top.aval)
-    return where[(top, rank)]
 
 
 def add_deletes(prog: Program, donated_inputs: set) -> Program:
