@@ -384,13 +384,20 @@ def plot_step_time_and_bubble(rows: list[dict], path: Path) -> Path:
     for r in rows:
         if r.get("status") in ("ok", "failed"):
             series.setdefault((int(r["pipeline_parallelism"]), r["schedule"]), []).append(r)
+    # colour per line, marker per pipeline size, line style per schedule: schedules with equal
+    # bubbles (GPipe and 1F1B have the same one) stay visible where their lines overlap
     markers = {2: "o", 4: "s", 8: "^"}
-    for (pp, sched), rs in sorted(series.items()):
+    dashes = {"gpipe": ":", "1f1b": "-", "interleaved_1f1b": "-.", "spmd": "--"}
+    for i, ((pp, sched), rs) in enumerate(sorted(series.items())):
         rs = sorted(rs, key=lambda r: int(r["num_pipeline_microbatches"]))
         label = "SPMD baseline (pp=1)" if pp == 1 else f"{sched} pp={pp}"
-        style = dict(marker=markers.get(pp, "D"), linestyle="--" if pp == 1 else "-")
-        if pp == 1:
-            style["color"] = "black"
+        style = dict(
+            marker=markers.get(pp, "D"),
+            markersize=9 - 1.5 * (i % 3),
+            linestyle=dashes.get(sched, (0, (5, 1, 1, 1))),
+            linewidth=2.2 if sched == "gpipe" else 1.5,
+            color="black" if pp == 1 else f"C{i}",
+        )
         pts = [
             (int(r["num_pipeline_microbatches"]), 1e3 * _num(r, "step_time_s"))
             for r in rs
