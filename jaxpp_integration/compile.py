@@ -14,7 +14,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_integration.program import Delete, Program, Run, TaskCode, Transfer
+from jaxpp_integration.program import Fill, Program, Run, TaskCode, Transfer
 from jaxpp_integration.treduce import microbatch
 
 
@@ -150,8 +150,8 @@ def compile_program(prog: Program, mpmd_mesh, input_shardings: dict, cache: dict
             executables[idx] = exe
             for s, sh in zip(ins.outs, exe.output_shardings):
                 slot_sharding[s] = sh
-        elif isinstance(ins, Delete):
-            pass
+        elif isinstance(ins, Fill):
+            slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, PartitionSpec())
     return executables, slot_sharding
 
 

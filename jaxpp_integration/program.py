@@ -5,6 +5,7 @@ instructions over numbered value slots, each slot living on one rank.
 
 - `Run`: run one task (`before_loop_r`, `fwd_s`/`bwd_s` for a microbatch, `after_loop_r_k`);
 - `Transfer`: copy a slot to another rank (inserted right after the producer, so it overlaps);
+- `Fill`: a fresh accumulator from a host value (a rank with no other work before the loop);
 - `Delete`: free a slot after its last use (never a step input unless donated, never an output).
 
 Loop task instances are ordered by a list-scheduling replay of `schedule.tasks(n)` with costs
@@ -63,6 +64,16 @@ class Transfer:
     dst: int
     src_rank: int
     dst_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """A fresh buffer holding `value` on the slot's rank (an accumulator's initial value when a
+    rank has no other work before the loop: a host copy, no compile)."""
+
+    slot: int
+    rank: int
+    value: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +185,11 @@ class _Builder:
             eqns = _dce(self.placement.free_eqns, targets)
             produced = [o for e in eqns for o in e.outvars if o in targets]
             accs = [j for j in range(len(body_out_avals)) if self.acc_rank[j] == r]
-            if not eqns and not accs:
+            if not eqns:
+                for j in accs:
+                    self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
+                    init = np.asarray(self.ops[j].init(self.n_mb, body_out_avals[j]))
+                    self.instrs.append(Fill(self.acc_slot[j], r, init))
                 continue
             reads = _reads(eqns)
             inits = tuple((self.ops[j], self.n_mb, body_out_avals[j]) for j in accs)
@@ -357,6 +372,8 @@ def add_deletes(prog: Program, donated_inputs: set) -> Program:
         elif isinstance(ins, Transfer):
             last_use[ins.src] = idx
             last_use.setdefault(ins.dst, idx)
+        elif isinstance(ins, Fill):
+            last_use.setdefault(ins.slot, idx)
     donated_by_run = set()
     for ins in prog.instrs:
         if isinstance(ins, Run):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpp_integration.program import Delete, Program, Run, Transfer
+from jaxpp_integration.program import Delete, Fill, Program, Run, Transfer
 
 
 def _name(i: int) -> str:
@@ -57,6 +57,8 @@ class ProgramText:
                     f"    {v(instr.dst)} = transfer[src_mpmd_idx={instr.src_rank} "
                     f"tgt_mpmd_idx={instr.dst_rank}] {_name(instr.src)}"
                 )
+            elif isinstance(instr, Fill):
+                lines.append(f"    {v(instr.slot)} = fill[mpmd_idx={instr.rank}]")
             elif isinstance(instr, Delete):
                 lines.append(f"    _ = delete[mpmd_idx={instr.rank}] {_name(instr.slot)}")
         outs = " ".join(_name(s) for slots in p.outputs for s in slots.values())

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpp_integration.program import Delete, Program, Run, Transfer
+from jaxpp_integration.program import Delete, Fill, Program, Run, Transfer
 from jaxpp_integration.transfer import cross_process_transfer
 
 
@@ -103,6 +103,10 @@ def execute(
             live[ins.dst_rank] += prog.slot_bytes[ins.dst]
             if prog.slot_kind[ins.dst] == "activation":
                 act[ins.dst_rank] += prog.slot_bytes[ins.dst]
+        elif isinstance(ins, Fill):
+            if ins.rank in local_ranks:
+                regs[ins.slot] = jax.device_put(ins.value, slot_sharding[ins.slot])
+            live[ins.rank] += prog.slot_bytes[ins.slot]
         elif isinstance(ins, Delete):
             v = regs[ins.slot]
             if v is not None and not ins.donated and not v.is_deleted():
