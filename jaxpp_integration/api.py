@@ -21,6 +21,7 @@ from jaxpp_integration import placement as _placement
 from jaxpp_integration import program as _program
 from jaxpp_integration.array import MpmdArray
 from jaxpp_integration.compile import compile_program
+from jaxpp_integration.fetch import fetch
 from jaxpp_integration.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
 from jaxpp_integration.mesh import MpmdMesh
 from jaxpp_integration.reductions import Add, Concat, Max
@@ -61,6 +62,7 @@ __all__ = [
     "Task",
     "UserSchedule",
     "ZeroBubble",
+    "fetch",
     "mark_stage_end",
     "mpmd_jit_with_loop",
     "pipeline_enter_stage",

@@ -52,4 +52,7 @@ for ref, got in zip(jax.tree.leaves(r_out), jax.tree.leaves(p_out), strict=True)
     for arr in got.arrays.values():
         np.testing.assert_array_equal(np.asarray(ref), np.asarray(arr))
         checked += 1
+# the loss lives on the last group only; fetch broadcasts it to every process
+loss = jaxpp.fetch(p_out[2])
+np.testing.assert_array_equal(loss, np.asarray(r_out[2]))
 print(f"OK {checked} local arrays; groups here: {sorted(compiled.local_ranks)}", flush=True)
