@@ -108,22 +108,23 @@ class Attention(nn.Module):
         use_bias = c.decoder_block == "gpt"
         x = x_BxLxE.astype(dtype)
 
-        def project(name, heads, heads_axis):
+        def project(name, heads, heads_axis, bias=use_bias):
             kernel = _param(
                 self, f"{name}_kernel", fan_in_init(0, (1, 2)), (e, heads, d),
                 ("embed", heads_axis, "kv"), wdtype,
             )  # fmt: skip
             y = jnp.einsum("ble,ehd->blhd", x, kernel.astype(dtype))
-            if use_bias:
-                bias = _param(
+            if bias:
+                b = _param(
                     self, f"{name}_bias", nn.initializers.zeros, (heads, d),
                     (heads_axis, "kv"), wdtype,
                 )  # fmt: skip
-                y = y + bias.astype(dtype)
+                y = y + b.astype(dtype)
             return checkpoint_name(y, f"{name}_proj")
 
         q_BxLxHxD = project("query", h, "heads")
-        k_BxLxKxD = project("key", k, "kv_heads")
+        # No key bias: it adds q·b to every score of a query, which softmax ignores (zero gradient).
+        k_BxLxKxD = project("key", k, "kv_heads", bias=False)
         v_BxLxKxD = project("value", k, "kv_heads")
         if c.decoder_block == "llama":
             q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, c.rope_max_timescale)

@@ -3,7 +3,7 @@
 Schedule over `learning_rate_schedule_steps` (S) with peak `learning_rate` (lr):
 linear warmup from 0 to lr over `warmup_steps_fraction * S` steps, cosine decay to
 `lr * learning_rate_final_fraction` at step S, then that final value for any later step.
-Weight decay applies to matrices and embeddings only (rank >= 2), not to norms and biases.
+Weight decay applies to weight matrices and embeddings, not to norm scales and biases.
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
 
 
 def _decay_mask(params):
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """True for weight matrices and embeddings; False for norm scales and biases."""
+
+    def decays(path, _):
+        # The last dict key names the parameter (flax partitioning boxes add a `.value` entry).
+        name = [str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey)][-1]
+        return not (name == "scale" or name == "bias" or name.endswith("_bias"))
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(config: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:

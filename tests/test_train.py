@@ -17,8 +17,10 @@ import pytest
 
 from MaxText import devices, sharding
 from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.model import Decoder
+from MaxText.optimizer import _decay_mask, learning_rate_schedule, make_optimizer
 from MaxText.train import TrainingDivergedError, run
-from MaxText.train_step import build_trainer, split_microbatches
+from MaxText.train_step import build_trainer, split_microbatches, state_specs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,6 +114,22 @@ def test_microbatches_are_strided_rows():
     mb = np.asarray(split_microbatches(x, 4))
     assert mb.shape == (4, 2, 3)
     np.testing.assert_array_equal(mb[1], x[[1, 5]])
+
+
+def test_learning_rate_schedule_and_weight_decay_mask(tmp_path):
+    config = small_config(tmp_path, "steps=100", "warmup_steps_fraction=0.1", "learning_rate=3e-3")
+    lr = learning_rate_schedule(config)
+    # warmup 0 -> 3e-3 over 10 steps, cosine to 3e-4 at step 100, then flat
+    expected = {0: 0.0, 5: 1.5e-3, 10: 3e-3, 55: 3e-4 + 2.7e-3 * 0.5, 100: 3e-4, 150: 3e-4}
+    for step, value in expected.items():
+        assert float(lr(step)) == pytest.approx(value, rel=1e-5, abs=1e-9), step
+    gpt = small_config(tmp_path, "decoder_block=gpt")
+    abstract_state, _ = state_specs(gpt, Decoder(gpt), make_optimizer(gpt)[0])
+    mask = _decay_mask(abstract_state["params"])
+    attention = mask["layers_0"]["self_attention"]
+    assert attention["query_kernel"] and not attention["query_bias"] and "key_bias" not in attention
+    assert mask["token_embedding"] and not mask["decoder_norm"]["scale"]
+    assert not mask["layers_0"]["mlp"]["wi_bias"] and mask["layers_0"]["mlp"]["wi"]
 
 
 @pytest.mark.parametrize(
@@ -261,6 +279,30 @@ def test_pipeline_matches_unpipelined(unpipelined_m4, tmp_path, pp):
     """
     got = train(tmp_path, f"pipeline_parallelism={pp}", "num_pipeline_microbatches=4")
     assert_same_training(unpipelined_m4, got, 1e-6, 1e-6, 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b"])  # dualpipev also passes (20 s more)
+def test_virtual_stages_match_unpipelined(unpipelined_m4, tmp_path, schedule):
+    """num_pipeline_repeats=2: 4 stages of one layer on 2 groups; same bound and reason as above."""
+    got = train(
+        tmp_path,
+        "pipeline_parallelism=2",
+        "num_pipeline_repeats=2",
+        f"pipeline_schedule={schedule}",
+        "num_pipeline_microbatches=4",
+    )
+    assert_same_training(unpipelined_m4, got, 1e-6, 1e-6, 1e-4)
+
+
+@pytest.mark.slow
+def test_tied_embedding_across_stages(tmp_path):
+    """gpt block with logits_via_embedding: the table is used by the first and the last stage."""
+    tied = ("decoder_block=gpt", "logits_via_embedding=true", "num_pipeline_microbatches=4")
+    reference = train(tmp_path / "one", *tied)
+    assert_same_training(
+        reference, train(tmp_path, "pipeline_parallelism=2", *tied), 1e-6, 1e-6, 1e-4
+    )
 
 
 @pytest.mark.slow
