@@ -1,0 +1,588 @@
+"""Checkpoints: save during training, resume by `run_name`, start from another run's parameters.
+
+One orbax `CheckpointManager` per run, under `{base_output_directory}/{run_name}/checkpoints/`:
+
+    checkpoints/<step>/state/      {"step", "params", "opt_state"}: orbax PyTree (OCDBT + zarr)
+                      /data_iter/  the training iterator's position (JSON, `data.train.get_state()`)
+                      /rng/        the seed and PRNG key the run derives its randomness from (JSON)
+                      /config/     every key and derived value of the config that wrote it (JSON)
+
+The loop (`MaxText/train.py`) talks to one `Checkpoints` object:
+
+- `restore_or_init(data)` -> the state to start from: the latest complete, readable checkpoint of
+  this run (and the data iterator moved to its position), else the parameters of
+  `load_parameters_path` in a fresh state, else a fresh state. Logs one line naming the step.
+- `maybe_save(step, state, data, final)` saves every `checkpoint_period` steps and at the last step;
+  with `async_checkpointing` the arrays are copied to host memory, then written by a background
+  thread while training continues; the next save (and `close()`) waits for the previous one.
+- `close()` waits for a pending save and releases the manager.
+
+**Canonical layout.** The `state` item holds every array once, at its global shape, in the tree the
+step uses for every layout (`layers_0`, `layers_1`, ...): nothing on disk depends on
+`pipeline_parallelism`, the schedule, virtual stages or SPMD axes. A pipelined state (`MpmdArray`
+leaves spread over groups) is saved leaf by leaf from the group that holds it, without gathering
+anything onto one device; a value held by several groups (the step counter) is written once. On
+restore every leaf is read straight onto the devices the target layout wants it on: the SPMD step's
+shardings, or, pipelined, the groups whose compiled tasks read it (`_MpmdPlacement`).
+
+**Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
+only when every item is written, so a killed save never looks complete; leftover temporary
+folders are removed when the next run opens the manager. A complete checkpoint that cannot be
+read (truncated or corrupt file) is skipped with a warning naming it, moved to
+`{run}/checkpoints_corrupt/` (so the step can be written again), and the previous one is used.
+
+Errors the user can fix (a checkpoint of a different model, a different seed or dataset, every
+checkpoint unreadable) raise `ConfigError` with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from MaxText.config import Config, ConfigError
+
+# orbax is imported where it is used: importing it logs through absl, which installs a root log
+# handler when there is none yet and so would swallow the trainer's `logging.basicConfig`.
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ITEMS = ("state", "data_iter", "rng", "config")
+CORRUPT_DIR = "checkpoints_corrupt"
+
+# Keys that fix the shapes of the saved arrays: a checkpoint restores only into the same model.
+MODEL_KEYS = (
+    "decoder_block",
+    "num_decoder_layers",
+    "emb_dim",
+    "num_query_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "vocab_size",
+    "logits_via_embedding",
+    "scan_layers",
+)
+# Keys that describe how a run is laid out on devices; they may change between save and restore.
+LAYOUT_KEYS = (
+    "ici_data_parallelism",
+    "ici_fsdp_parallelism",
+    "ici_tensor_parallelism",
+    "ici_pipeline_parallelism",
+    "pipeline_schedule",
+    "num_pipeline_repeats",
+    "num_pipeline_microbatches",
+    "num_processes",
+)
+
+
+# --------------------------------------------------------------------------- placement of leaves
+
+
+class _SpmdPlacement:
+    """SPMD: leaves are global `jax.Array`s; restore onto the step's input shardings."""
+
+    def __init__(self, shardings: Any):
+        self._shardings = jax.tree.leaves(shardings)
+
+    def saveable(self, leaves: list) -> list:
+        return leaves
+
+    def restore_shardings(self, indices: Sequence[int]) -> list:
+        return [self._shardings[i] for i in indices]
+
+    def place(self, leaves: list, indices: Sequence[int]) -> list:
+        return leaves
+
+
+class _MpmdPlacement:
+    """Pipelined: leaf i lives on the groups whose compiled tasks read state input i.
+
+    Save: an `MpmdArray` is written from the first group holding it (that group's `jax.Array`, on
+    that group's devices). Under several processes a process that does not hold that group passes
+    an array with no local shards, so only the holder writes.
+    Restore: leaf i is read once onto the devices of all its groups (replicated across groups,
+    sharded within each by its PartitionSpec), then split into one `jax.Array` per group without
+    copying, and wrapped as the `MpmdArray` the step takes without any transfer.
+    """
+
+    def __init__(self, trainer: Any, num_leaves: int):
+        import jaxpp_integration as jaxpp
+
+        self._MpmdArray = jaxpp.MpmdArray
+        self.mesh = trainer.mpmd_mesh
+        fallback = jax.tree.leaves(trainer.state_specs, is_leaf=_is_spec)
+        self.groups: list[tuple[int, ...]] = []
+        self.specs: list = []
+        program = getattr(trainer.train_step, "program", None)
+        slot_sharding = getattr(trainer.train_step, "slot_sharding", None)
+        for i in range(num_leaves):
+            slots = program.inputs[i] if program is not None else {}
+            if slots:
+                ranks = tuple(sorted(slots))
+                spec = slot_sharding[slots[ranks[0]]].spec
+            else:  # not compiled by the engine (or an unused leaf): the first group
+                ranks, spec = (0,), fallback[i]
+            self.groups.append(ranks)
+            self.specs.append(spec)
+
+    def saveable(self, leaves: list) -> list:
+        out = []
+        for x in leaves:
+            if isinstance(x, self._MpmdArray):
+                group = x.mpmd_idxs[0]
+                arr = x.arrays.get(group)
+                if arr is None:  # another process holds it: a global view with no local shards
+                    sharding = NamedSharding(self.mesh.unstack[group], x.spec)
+                    arr = jax.make_array_from_single_device_arrays(x.shape, sharding, [])
+                x = arr
+            out.append(x)
+        return out
+
+    def restore_shardings(self, indices: Sequence[int]) -> list:
+        return [NamedSharding(self.mesh.submesh(self.groups[i]), self.specs[i]) for i in indices]
+
+    def place(self, leaves: list, indices: Sequence[int]) -> list:
+        out = []
+        for x, i in zip(leaves, indices, strict=True):
+            ranks, spec = self.groups[i], self.specs[i]
+            per_group = {}
+            for r in ranks:
+                devices = set(self.mesh.devices_of(r))
+                shards = [s.data for s in x.addressable_shards if s.device in devices]
+                if shards:
+                    sharding = self.mesh.sharding(r, spec)
+                    per_group[r] = jax.make_array_from_single_device_arrays(
+                        x.shape, sharding, shards
+                    )
+            aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            out.append(self._MpmdArray(self.mesh, per_group, mpmd_idxs=ranks, aval=aval, spec=spec))
+        return out
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _placement(trainer: Any, num_leaves: int):
+    if getattr(trainer, "mpmd_mesh", None) is not None:
+        return _MpmdPlacement(trainer, num_leaves)
+    return _SpmdPlacement(trainer.state_shardings)
+
+
+# ------------------------------------------------------------------------------ reading helpers
+
+
+def _restore_args(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> list:
+    import orbax.checkpoint as ocp
+
+    return [
+        ocp.ArrayRestoreArgs(sharding=s, global_shape=tuple(a.shape), dtype=a.dtype)
+        for a, s in zip(abstract_leaves, shardings)
+    ]
+
+
+def _open_manager(directory: str | os.PathLike, config: Config | None, read_only: bool):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=None if read_only else config.max_num_checkpoints_to_keep,
+        save_interval_steps=0 if read_only else 1,
+        enable_async_checkpointing=bool(config and config.async_checkpointing) and not read_only,
+        cleanup_tmp_directories=not read_only,
+        create=not read_only,
+        read_only=read_only,
+        # Do not read every step's metadata file when opening: a corrupt one is dealt with below.
+        lightweight_initialize=True,
+    )
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    if read_only:  # orbax warns that a read-only manager is read-only
+        absl_logger.setLevel(logging.ERROR)
+    try:
+        return ocp.CheckpointManager(Path(directory).absolute(), item_names=ITEMS, options=options)
+    finally:
+        absl_logger.setLevel(level)
+
+
+def _check_json_files(step_dir: Path) -> None:
+    """Raises ValueError naming the first metadata file of `step_dir` that is not valid JSON.
+
+    orbax itself tolerates an unreadable `_CHECKPOINT_METADATA`; a truncated one still means the
+    checkpoint was damaged, so it is treated like any other corrupt file.
+    """
+    for path in sorted(step_dir.rglob("*")):
+        if not path.is_file():
+            continue
+        name = path.name
+        is_json = name in ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata") or (
+            path.parent.name == "array_metadatas"
+        )
+        if is_json:
+            try:
+                json.loads(path.read_text())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path.relative_to(step_dir)} is not valid JSON ({e})") from None
+
+
+def _reason(e: BaseException, limit: int = 300) -> str:
+    """One line about a read failure: the innermost cause (tensorstore's own words)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(e).__name__}: {line[:limit]}"
+
+
+def _model_mismatch(saved: dict, config: Config) -> list[str]:
+    return [
+        f"{k}={saved.get(k)!r} in the checkpoint vs {getattr(config, k)!r} now"
+        for k in MODEL_KEYS
+        if saved.get(k) != getattr(config, k)
+    ]
+
+
+def find_step_dir(path: str | os.PathLike) -> tuple[Path, int | None]:
+    """`path` is a checkpoints folder (-> its latest step) or one step's folder.
+
+    Returns (checkpoints folder, step or None for "the latest readable").
+    """
+    p = Path(path)
+    if (p / "state").is_dir() and p.name.isdigit():
+        return p.parent, int(p.name)
+    if (p / "checkpoints").is_dir():  # a run folder
+        return p / "checkpoints", None
+    return p, None
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    directory: Path
+    state: Any  # the requested part of the state tree, placed
+    items: dict[str, Any]  # the JSON items read ("config", "rng", "data_iter")
+
+
+def restore_latest(
+    manager: Any,
+    directory: Path,
+    abstract_tree: Any,
+    shardings: Sequence[Any],
+    *,
+    config: Config | None,
+    step: int | None = None,
+    json_items: Sequence[str] = ("config", "rng", "data_iter"),
+    partial: bool = False,
+    restore_as_numpy: bool = False,
+    quarantine: Path | None = None,
+) -> Restored | None:
+    """Reads the newest readable checkpoint of `manager` (or exactly `step`).
+
+    `abstract_tree` gives the structure and shapes to read from the `state` item (all of it, or
+    with `partial` a sub-tree such as `{"params": ...}`); `shardings` one sharding per leaf.
+    Unreadable checkpoints are skipped with a warning (and moved to `quarantine` if given).
+    Returns None when there is no checkpoint at all; raises ConfigError when none is readable or
+    the checkpoint holds a different model than `config`.
+    """
+    import orbax.checkpoint as ocp
+
+    steps = sorted(manager.all_steps(), reverse=True)
+    if step is not None:
+        if step not in steps:
+            raise ConfigError(f"no complete checkpoint for step {step} in {directory}")
+        steps = [step]
+    if not steps:
+        return None
+    leaves, treedef = jax.tree.flatten(abstract_tree)
+    if restore_as_numpy:
+        args = [ocp.RestoreArgs(restore_type=np.ndarray) for _ in leaves]
+    else:
+        args = _restore_args(leaves, shardings)
+    skipped = []
+    for s in steps:
+        step_dir = directory / str(s)
+        try:
+            _check_json_files(step_dir)
+            meta = manager.restore(
+                s, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in json_items})
+            )
+        except Exception as e:  # noqa: BLE001 (any failure to read means: not usable)
+            _skip(step_dir, e, quarantine, skipped)
+            continue
+        items = {k: meta[k] for k in json_items}
+        if config is not None and "config" in items:
+            wrong = _model_mismatch(items["config"], config)
+            if wrong:
+                raise ConfigError(
+                    f"checkpoint {step_dir} holds a different model: {'; '.join(wrong)}; "
+                    f"use the same model keys or another run_name"
+                )
+        try:
+            restored = manager.restore(
+                s,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=abstract_tree,
+                        restore_args=jax.tree.unflatten(treedef, args),
+                        partial_restore=partial,
+                    )
+                ),
+            )["state"]
+        except Exception as e:  # noqa: BLE001
+            _skip(step_dir, e, quarantine, skipped)
+            continue
+        state = jax.tree.unflatten(treedef, jax.tree.leaves(restored))
+        if skipped:
+            manager.reload()
+        return Restored(step=s, directory=step_dir, state=state, items=items)
+    raise ConfigError(
+        f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); move the folder "
+        f"away to start the run from scratch"
+    )
+
+
+def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: list[str]) -> None:
+    skipped.append(step_dir.name)
+    where = ""
+    if quarantine is not None and jax.process_index() == 0:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        target = quarantine / f"{step_dir.name}-{stamp}"
+        quarantine.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(step_dir), str(target))
+        where = f"; moved to {target}"
+    log.warning(
+        "checkpoint %s is incomplete or corrupt, skipping it (%s)%s",
+        step_dir,
+        _reason(error),
+        where,
+    )
+
+
+def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
+    """(step, config dict) of the newest checkpoint under `path` whose config item reads.
+
+    `path` is a run folder, its checkpoints folder, or one step's folder. Raises ConfigError when
+    there is none.
+    """
+    import orbax.checkpoint as ocp
+
+    directory, step = find_step_dir(path)
+    if not directory.is_dir():
+        raise ConfigError(f"{path} does not exist")
+    manager = _open_manager(directory, None, read_only=True)
+    try:
+        steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+        for s in steps:
+            try:
+                _check_json_files(directory / str(s))
+                got = manager.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+                return s, got["config"]
+            except Exception as e:  # noqa: BLE001
+                log.warning("checkpoint %s is unreadable, skipping it (%s)", directory / str(s), e)
+    finally:
+        manager.close()
+    raise ConfigError(f"no readable checkpoint in {directory}")
+
+
+def load_params(
+    path: str | os.PathLike, abstract_params: Any, config: Config, shardings: Any = None
+) -> tuple[Any, Restored]:
+    """The `params` of the newest readable checkpoint under `path` (see `saved_config`).
+
+    With `shardings` (a tree like `abstract_params`) they are placed as global arrays; without,
+    they are numpy arrays (any layout can then place them).
+    """
+    directory, step = find_step_dir(path)
+    if not directory.is_dir():
+        raise ConfigError(f"{path} does not exist")
+    manager = _open_manager(directory, None, read_only=True)
+    try:
+        restored = restore_latest(
+            manager,
+            directory,
+            {"params": abstract_params},
+            jax.tree.leaves(shardings) if shardings is not None else [],
+            config=config,
+            step=step,
+            json_items=("config",),
+            partial=True,
+            restore_as_numpy=shardings is None,
+        )
+    finally:
+        manager.close()
+    if restored is None:
+        raise ConfigError(f"{path} holds no checkpoint")
+    return restored.state["params"], restored
+
+
+# ----------------------------------------------------------------------------------- the seams
+
+
+def rng_item(config: Config) -> dict[str, Any]:
+    """The run's randomness: everything (init, data order) derives from this seed and key."""
+    key = jax.random.key(config.seed)
+    return {
+        "seed": config.seed,
+        "impl": str(jax.random.key_impl(key)),
+        "key_data": np.asarray(jax.random.key_data(key)).tolist(),
+    }
+
+
+class Checkpoints:
+    """The loop's checkpoint seams for one run (see the module docstring)."""
+
+    def __init__(self, config: Config, trainer: Any):
+        self.config = config
+        self.trainer = trainer
+        self.directory = Path(config.checkpoint_dir).absolute()
+        leaves, self._treedef = jax.tree.flatten(trainer.abstract_state)
+        self._params_treedef = jax.tree.structure(trainer.abstract_state["params"])
+        self._abstract_leaves = leaves
+        self._placement = _placement(trainer, len(leaves))
+        self._manager = None
+        self.last_save_blocking_s: float | None = None
+        if config.enable_checkpointing:
+            logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
+            self._manager = _open_manager(self.directory, config, read_only=False)
+
+    # -- restore
+
+    def restore_or_init(self, data: Any) -> Any:
+        if self._manager is not None:
+            restored = restore_latest(
+                self._manager,
+                self.directory,
+                self.trainer.abstract_state,
+                self._placement.restore_shardings(range(len(self._abstract_leaves))),
+                config=self.config,
+                quarantine=Path(self.config.output_dir).absolute() / CORRUPT_DIR,
+            )
+            if restored is not None:
+                return self._resume(restored, data)
+        if self.config.load_parameters_path:
+            return self._load_parameters()
+        return self.trainer.init_state()
+
+    def _resume(self, restored: Restored, data: Any) -> Any:
+        saved = restored.items["config"]
+        rng = restored.items["rng"]
+        if rng.get("key_data") != rng_item(self.config)["key_data"]:
+            raise ConfigError(
+                f"run {self.config.run_name} was trained with seed={rng.get('seed')}, now "
+                f"seed={self.config.seed}; resume with seed={rng.get('seed')}, or start a new "
+                f"run_name (load_parameters_path= keeps only the parameters)"
+            )
+        try:
+            data.train.set_state(restored.items["data_iter"])
+        except ValueError as e:
+            raise ConfigError(
+                f"checkpoint {restored.directory} cannot continue with this data: {e}; use the "
+                f"same data keys, or load_parameters_path= in a new run"
+            ) from None
+        leaves = jax.tree.leaves(restored.state)
+        state = jax.tree.unflatten(self._treedef, self._placement.place(leaves, range(len(leaves))))
+        changed = [
+            f"{k} {saved.get(k)} -> {getattr(self.config, k)}"
+            for k in LAYOUT_KEYS
+            if k in saved and saved[k] != getattr(self.config, k)
+        ]
+        ignored = (
+            "; load_parameters_path ignored (the run has its own checkpoints)"
+            if self.config.load_parameters_path
+            else ""
+        )
+        log.info(
+            "resuming run %s from checkpoint step %d (%s)%s%s",
+            self.config.run_name,
+            restored.step,
+            restored.directory,
+            f"; layout changed: {', '.join(changed)}" if changed else "",
+            ignored,
+        )
+        return state
+
+    def _load_parameters(self) -> Any:
+        indices = self._param_indices()
+        loaded, restored = load_params(
+            self.config.load_parameters_path,
+            self.trainer.abstract_state["params"],
+            self.config,
+            shardings=self._placement.restore_shardings(indices),
+        )
+        params = self._placement.place(jax.tree.leaves(loaded), indices)
+        state = self.trainer.init_state()  # fresh optimizer state and step 0
+        state = {**state, "params": jax.tree.unflatten(self._params_treedef, params)}
+        log.info(
+            "new run %s starts from the parameters of checkpoint step %d (%s)",
+            self.config.run_name,
+            restored.step,
+            restored.directory,
+        )
+        return state
+
+    def _param_indices(self) -> list[int]:
+        """Positions of the `params` leaves among the state's leaves."""
+        flat = jax.tree_util.tree_flatten_with_path(self.trainer.abstract_state)[0]
+        return [i for i, (path, _) in enumerate(flat) if getattr(path[0], "key", None) == "params"]
+
+    # -- save
+
+    def should_save(self, step: int, final: bool) -> bool:
+        return self._manager is not None and (final or step % self.config.checkpoint_period == 0)
+
+    def maybe_save(self, step: int, state: Any, data: Any, final: bool) -> None:
+        import orbax.checkpoint as ocp
+
+        if not self.should_save(step, final):
+            return
+        if step in self._manager.all_steps():
+            return  # already written (e.g. the run resumed exactly there)
+        get_state = getattr(data.train, "get_state", None)
+        if get_state is None:
+            raise TypeError(
+                "enable_checkpointing=true needs a training iterator with get_state()/set_state()"
+            )
+        leaves = self._placement.saveable(jax.tree.leaves(state))
+        tree = jax.tree.unflatten(self._treedef, leaves)
+        t0 = time.perf_counter()
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(tree),
+                data_iter=ocp.args.JsonSave(get_state()),
+                rng=ocp.args.JsonSave(rng_item(self.config)),
+                config=ocp.args.JsonSave({"format": FORMAT_VERSION, **self.config.to_dict()}),
+            ),
+            force=True,
+        )
+        self.last_save_blocking_s = time.perf_counter() - t0
+        log.info(
+            "checkpoint step %d -> %s (%s, %.2f s blocking)",
+            step,
+            self.directory / str(step),
+            "async" if self.config.async_checkpointing else "written",
+            self.last_save_blocking_s,
+        )
+
+    def wait(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None

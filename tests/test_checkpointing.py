@@ -1,0 +1,424 @@
+"""Checkpoints: exact resume, resume on other layouts, crash safety, load_parameters_path, generate.
+
+Runs train with `MaxText.train.main` in this process (8 emulated CPU devices, conftest.py) except
+where a process must die: those start `python -m MaxText.train` (or tests/checkpoint_worker.py) in
+a subprocess with the same environment, kill it with SIGKILL and restart the run in-process.
+Losses are read back from each run's metrics.jsonl (log_period=1), last record per step, so a
+restarted run's records replace the ones the killed process wrote after its last checkpoint.
+
+All runs share one small config (4 layers so pipeline_parallelism=4 has a layer per stage) at equal
+global batch (8) and microbatching (4), with `learning_rate_schedule_steps=20` so a run stopped
+at step 10 has the same schedule as the 20-step run it is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import checkpointing, devices, sharding
+from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.data import make_data
+from MaxText.train import main
+from MaxText.train_step import build_trainer
+
+REPO = Path(__file__).resolve().parent.parent
+
+# adam_eps=1e-3 as in tests/test_train.py: with 1e-8 Adam turns float32 summation-order noise of
+# near-zero gradients into full-size updates, which would blur the cross-layout comparisons.
+COMMON = [
+    "dataset_type=synthetic",
+    "emb_dim=32",
+    "num_query_heads=4",
+    "num_kv_heads=2",
+    "head_dim=8",
+    "mlp_dim=64",
+    "num_decoder_layers=4",
+    "vocab_size=64",
+    "max_target_length=16",
+    "max_prefill_predict_length=4",
+    "max_predict_length=16",
+    "global_batch_size=8",
+    "num_pipeline_microbatches=4",
+    "learning_rate=1e-2",
+    "adam_eps=1e-3",
+    "learning_rate_schedule_steps=20",
+    "log_period=1",
+    "eval_interval=0",
+    "enable_progress_bar=false",
+    "enable_tensorboard=false",
+    "enable_checkpointing=true",
+    "checkpoint_period=5",
+]
+
+
+def argv(base: Path, run: str, *overrides: str) -> list[str]:
+    return [
+        str(CONFIGS_DIR / "base.yml"),
+        *COMMON,
+        f"base_output_directory={base}",
+        f"run_name={run}",
+        *overrides,
+    ]
+
+
+def train(base: Path, run: str, *overrides: str) -> None:
+    assert main(argv(base, run, *overrides)) == 0
+
+
+def losses(base: Path, run: str) -> dict[int, float]:
+    out = {}
+    for line in (base / run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]
+    return out
+
+
+def assert_bitwise(got: dict[int, float], want: dict[int, float], steps: range) -> None:
+    assert [got[s] for s in steps] == [want[s] for s in steps]
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
+    """A new run whose only checkpoint is `step` of `src_run`."""
+    shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def messages(self, min_level: int = logging.INFO) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= min_level]
+
+    def resumes(self) -> list[str]:
+        return [m for m in self.messages() if m.startswith("resuming run")]
+
+    def clear(self):
+        self.records.clear()
+
+
+@pytest.fixture
+def logs():
+    """The MaxText loggers' records (the trainer's "MaxText" logger does not propagate)."""
+    logger = logging.getLogger("MaxText")
+    handler, level = _Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def spmd_full(tmp_path_factory):
+    """20 uninterrupted SPMD steps; checkpoints at 10, 15, 20 (5 deleted: keep 3)."""
+    base = tmp_path_factory.mktemp("spmd")
+    train(base, "full", "steps=20")
+    return base, losses(base, "full")
+
+
+# --------------------------------------------------------------------------- exact resume (SPMD)
+
+
+def test_resume_spmd_is_bitwise(spmd_full, tmp_path, capsys, logs):
+    full_dir, full = spmd_full
+    assert complete_steps(full_dir / "full") == [10, 15, 20]
+    train(tmp_path, "run", "steps=10")
+    assert complete_steps(tmp_path / "run") == [5, 10]  # every 5 steps, and the last
+    logs.clear()
+    train(tmp_path, "run", "steps=20")
+    assert logs.resumes() == [
+        f"resuming run run from checkpoint step 10 ({tmp_path / 'run' / 'checkpoints' / '10'})"
+    ]
+    assert_bitwise(losses(tmp_path, "run"), full, range(1, 21))
+
+    # The data position and RNG were saved with it.
+    step_dir = tmp_path / "run" / "checkpoints" / "20"
+    data_state = json.loads((step_dir / "data_iter" / "metadata").read_text())
+    assert data_state["position"] == 20 * 8
+    rng = json.loads((step_dir / "rng" / "metadata").read_text())
+    assert rng["seed"] == 0 and len(rng["key_data"]) == 2
+    config = json.loads((step_dir / "config" / "metadata").read_text())
+    assert config["steps"] == 20 and config["run_name"] == "run"
+
+    # A run already at `steps` says so and exits 0.
+    capsys.readouterr()
+    train(tmp_path, "run", "steps=20")
+    assert "run run is already at step 20 >= steps=20" in capsys.readouterr().out
+
+
+def test_truncated_latest_checkpoint_falls_back(spmd_full, tmp_path, logs):
+    """A file of checkpoint 20 cut in half: the restart warns, names it, resumes from 15."""
+    full_dir, full = spmd_full
+    shutil.copytree(full_dir / "full" / "checkpoints", tmp_path / "run" / "checkpoints")
+    bad = tmp_path / "run" / "checkpoints" / "20"
+    files = [p for p in bad.rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)  # array data
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+
+    train(tmp_path, "run", "steps=20")
+    warnings = logs.messages(logging.WARNING)
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"checkpoint {bad} is incomplete or corrupt, skipping it ("
+    ), warnings
+    assert logs.resumes()[0].startswith("resuming run run from checkpoint step 15 (")
+    assert_bitwise(losses(tmp_path, "run"), full, range(16, 21))
+    # The corrupt one was set aside, so step 20 could be written again.
+    assert [p.name.split("-")[0] for p in (tmp_path / "run" / "checkpoints_corrupt").iterdir()] == [
+        "20"
+    ]
+    assert complete_steps(tmp_path / "run") == [10, 15, 20]
+
+
+def test_truncated_metadata_file_falls_back(spmd_full, tmp_path, logs):
+    """orbax reads past a truncated _CHECKPOINT_METADATA; we still treat the checkpoint as bad."""
+    full_dir, _ = spmd_full
+    shutil.copytree(full_dir / "full" / "checkpoints", tmp_path / "run" / "checkpoints")
+    meta = tmp_path / "run" / "checkpoints" / "20" / "_CHECKPOINT_METADATA"
+    meta.write_text(meta.read_text()[:40])
+    config = load_config(argv(tmp_path, "run", "steps=20"))
+    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    ckpt = checkpointing.Checkpoints(config, trainer)
+    try:
+        state = ckpt.restore_or_init(make_data(config))
+    finally:
+        ckpt.close()
+    assert int(np.asarray(state["step"])) == 15
+    assert any("_CHECKPOINT_METADATA is not valid JSON" in m for m in logs.messages())
+
+
+def test_load_parameters_path_starts_a_new_run(spmd_full, tmp_path, logs):
+    full_dir, _ = spmd_full
+    src = full_dir / "full" / "checkpoints"
+    config = load_config(argv(tmp_path, "new", "steps=20", f"load_parameters_path={src}"))
+    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    abstract = trainer.abstract_state["params"]
+    for path, want_step in ((src, 20), (src / "15", 15)):
+        ckpt = checkpointing.Checkpoints(
+            load_config(argv(tmp_path, "new", "steps=20", f"load_parameters_path={path}")),
+            trainer,
+        )
+        state = ckpt.restore_or_init(make_data(config))
+        ckpt.close()
+        saved, _ = checkpointing.load_params(path, abstract, config)
+        assert int(np.asarray(state["step"])) == 0  # a new run: step, optimizer and data fresh
+        for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(saved)):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        mu = state["opt_state"][1][0].mu
+        assert all(not np.asarray(x).any() for x in jax.tree.leaves(mu))
+        assert logs.messages()[-1] == (
+            f"new run new starts from the parameters of checkpoint step {want_step} "
+            f"({src / str(want_step)})"
+        )
+
+
+def test_checkpoint_of_another_model_is_a_config_error(spmd_full, tmp_path, capsys):
+    full_dir, _ = spmd_full
+    copy_checkpoint(full_dir / "full", 20, tmp_path / "run")
+    assert main(argv(tmp_path, "run", "steps=20", "emb_dim=16", "head_dim=4")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"config error: checkpoint {tmp_path / 'run' / 'checkpoints' / '20'} holds a different "
+        f"model: emb_dim=32 in the checkpoint vs 16 now; head_dim=8 in the checkpoint vs 4 now; "
+        f"use the same model keys or another run_name"
+    )
+
+
+# ------------------------------------------------------------------------ pipelined and layouts
+
+
+@pytest.fixture(scope="module")
+def pp4_full(tmp_path_factory):
+    """20 uninterrupted steps at pipeline_parallelism=4; checkpoints at 10 and 20."""
+    base = tmp_path_factory.mktemp("pp4")
+    train(base, "full", "steps=20", "pipeline_parallelism=4", "checkpoint_period=10")
+    return base, losses(base, "full")
+
+
+@pytest.mark.slow
+def test_resume_pipelined_is_bitwise(tmp_path, logs):
+    train(tmp_path, "full", "steps=20", "pipeline_parallelism=2")
+    train(tmp_path, "run", "steps=10", "pipeline_parallelism=2")
+    logs.clear()
+    train(tmp_path, "run", "steps=20", "pipeline_parallelism=2")
+    assert logs.resumes()[0].startswith("resuming run run from checkpoint step 10 (")
+    assert_bitwise(losses(tmp_path, "run"), losses(tmp_path, "full"), range(1, 21))
+
+
+@pytest.mark.slow
+def test_on_disk_tree_does_not_depend_on_the_layout(spmd_full, pp4_full):
+    """Same names, global shapes and dtypes from SPMD and from 4 pipeline groups."""
+
+    def signature(step_dir: Path) -> dict:
+        import orbax.checkpoint as ocp
+
+        tree = ocp.PyTreeCheckpointer().metadata(step_dir / "state").item_metadata.tree
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(p): (tuple(m.shape), str(m.dtype)) for p, m in flat}
+
+    spmd = signature(spmd_full[0] / "full" / "checkpoints" / "20")
+    pipelined = signature(pp4_full[0] / "full" / "checkpoints" / "20")
+    assert spmd == pipelined
+    assert "['params']['layers_3']['mlp']['wo']" in spmd and "['step']" in spmd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, rtol",
+    [
+        (("pipeline_parallelism=2",), 0.0),
+        # pipeline_parallelism=1 and fsdp are not bitwise to a pipelined run: the engine compiles
+        # each stage's backward as its own XLA program and orders one reduction differently
+        # (tests/test_train.py::test_pipeline_matches_unpipelined: 1e-7 relative per step), and
+        # fsdp sums sharded gradients in another order. Bound: 1e-5 relative.
+        (("pipeline_parallelism=1",), 1e-5),
+        # fsdp=4 needs the batch of 8 split into 2 microbatches (4 x 4 devices would not divide
+        # it): a different summation order again.
+        (("ici_fsdp_parallelism=4", "num_pipeline_microbatches=2"), 1e-5),
+    ],
+    ids=["pp2", "pp1", "fsdp4"],
+)
+def test_resume_on_another_layout(pp4_full, tmp_path, layout, rtol, logs):
+    """Saved at pipeline_parallelism=4 step 10, resumed elsewhere: steps 11-20 as uninterrupted."""
+    base, full = pp4_full
+    copy_checkpoint(base / "full", 10, tmp_path / "run")
+    train(tmp_path, "run", "steps=20", *layout)
+    line = logs.resumes()[0]
+    assert line.startswith("resuming run run from checkpoint step 10 (")
+    assert "layout changed: " in line and "ici_pipeline_parallelism 4 -> " in line
+    got = losses(tmp_path, "run")
+    if rtol == 0.0:
+        assert_bitwise(got, full, range(11, 21))
+    else:
+        np.testing.assert_allclose(
+            [got[s] for s in range(11, 21)], [full[s] for s in range(11, 21)], rtol=rtol, atol=0
+        )
+
+
+# ---------------------------------------------------------------------------- crashes (SIGKILL)
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ)  # conftest's XLA_FLAGS: the same 8 emulated devices as in-process runs
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _kill_when(proc: subprocess.Popen, marker: str, timeout: float = 600) -> list[str]:
+    """SIGKILLs `proc` as soon as a line containing `marker` appears; returns its output."""
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if marker in line:
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        timer.cancel()
+        proc.wait()
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL and marker in lines[-1], "".join(lines[-30:])
+    return lines
+
+
+@pytest.mark.slow
+def test_kill_during_training_resumes_from_last_complete(spmd_full, tmp_path, logs):
+    _, full = spmd_full
+    proc = _start(["-m", "MaxText.train", *argv(tmp_path, "run", "steps=20")])
+    _kill_when(proc, "step 13/20 |")
+    last = complete_steps(tmp_path / "run")[-1]
+    assert last >= 5
+
+    train(tmp_path, "run", "steps=20")
+    assert logs.resumes()[0].startswith(f"resuming run run from checkpoint step {last} (")
+    assert not logs.messages(logging.WARNING)
+    assert_bitwise(losses(tmp_path, "run"), full, range(last + 1, 21))
+
+
+@pytest.mark.slow
+def test_kill_during_async_save_resumes_from_previous(spmd_full, tmp_path, logs):
+    """The save of step 15 is written but never finalized when the process dies."""
+    _, full = spmd_full
+    worker = str(REPO / "tests" / "checkpoint_worker.py")
+    proc = _start([worker, "15", *argv(tmp_path, "run", "steps=20")])
+    _kill_when(proc, "FROZEN SAVE 15")
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    partial = ckpt_dir / "15.orbax-checkpoint-tmp"
+    assert (partial / "state").is_dir() and not (ckpt_dir / "15").exists()
+    assert complete_steps(tmp_path / "run") == [5, 10]
+
+    train(tmp_path, "run", "steps=20")
+    assert logs.resumes()[0].startswith("resuming run run from checkpoint step 10 (")
+    assert not logs.messages(logging.WARNING)
+    assert not partial.exists()  # the leftover temporary folder was removed
+    assert_bitwise(losses(tmp_path, "run"), full, range(11, 21))
+    assert complete_steps(tmp_path / "run") == [10, 15, 20]
+
+
+# ------------------------------------------------------------------------------------- generate
+
+
+@pytest.mark.slow
+def test_generate_prints_text_from_the_latest_checkpoint(tmp_path):
+    text_run = [
+        "dataset_type=text",
+        "vocab_size=512",
+        "max_target_length=32",
+        "steps=6",
+        "checkpoint_period=3",
+    ]
+    train(tmp_path, "shakespeare", *text_run)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)  # generation needs one device
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "MaxText.generate",
+            str(CONFIGS_DIR / "base.yml"),
+            f"base_output_directory={tmp_path}",
+            "run_name=shakespeare",
+            "prompt=ROMEO:",
+            "max_prefill_predict_length=8",
+            "max_predict_length=24",
+            "decode_sampling_strategy=topk",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ROMEO:") and len(proc.stdout.strip()) > len("ROMEO:")
+    step_dir = tmp_path / "shakespeare" / "checkpoints" / "6"
+    assert f"generated from checkpoint step 6 ({step_dir}) with topk decoding" in proc.stderr
