@@ -9,7 +9,8 @@ The loop dispatches step N+1 before reading step N's metrics back, so the host p
 batch while the devices work; step time is the interval between consecutive step completions.
 Every `log_period` steps (and at evaluations and the last step) it logs a line and a metrics.jsonl
 record; every `eval_interval` steps and at the end it evaluates on the held-out split; a NaN or
-infinite loss aborts with the step number (exit code 1). Config errors exit with code 2.
+infinite loss aborts with the step number (exit code 1). Config and data-setting errors exit with
+code 2 and one line.
 """
 
 from __future__ import annotations
@@ -167,17 +168,15 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = load_config(argv)
         devs = devices.setup(config)
-        from MaxText.data import make_data
-
-        data = make_data(config)
-        vocab = getattr(getattr(data, "tokenizer", None), "vocab_size", None)
-        if vocab is not None and vocab != config.vocab_size:
-            raise ConfigError(
-                f"vocab_size={config.vocab_size} but the tokenizer has {vocab} tokens; "
-                f"set vocab_size={vocab}"
-            )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from MaxText.data import make_data
+
+    try:
+        data = make_data(config)  # raises ValueError for unusable data settings
+    except ValueError as e:
+        print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     mesh = sharding.make_mesh(config, devs)
     trainer = build_trainer(config, mesh)
