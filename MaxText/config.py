@@ -151,12 +151,15 @@ class Config:
         return self.ici_pipeline_parallelism > 1
 
     @property
-    def process_index(self) -> int:  # the data pipeline's name for process_id
-        return self.process_id
+    def process_index(self) -> int:
+        """This process's share of each batch (the data pipeline reads it). Pipelined runs keep
+        every group on one process with its data axes inside, so each process feeds the whole
+        batch to its groups; SPMD runs split the batch rows across processes."""
+        return 0 if self.is_pipelined else self.process_id
 
     @property
-    def process_count(self) -> int:  # the data pipeline's name for num_processes
-        return self.num_processes
+    def process_count(self) -> int:
+        return 1 if self.is_pipelined else self.num_processes
 
     @property
     def tokens_per_step(self) -> int:
@@ -407,6 +410,11 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     if v["process_id"] >= v["num_processes"]:
         raise ConfigError(
             f"process_id={v['process_id']} must be < num_processes={v['num_processes']}"
+        )
+    if v["num_processes"] > 1 and v["enable_checkpointing"]:
+        raise ConfigError(
+            f"enable_checkpointing with num_processes={v['num_processes']} is not supported yet "
+            "(each process holds only its groups' arrays); set enable_checkpointing=false"
         )
 
     _resolve_parallelism(v, None)

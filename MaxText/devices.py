@@ -54,16 +54,22 @@ def _accelerator_expected() -> bool:
 
 def setup(config: Config) -> list[jax.Device]:
     """Makes `config.num_devices` devices available and returns them (first ones, in order)."""
-    _distributed_initialize(config.coordinator_address, config.num_processes, config.process_id)
     needed = config.num_devices
+    per_process = -(-needed // config.num_processes)
     emulating = False
-    if needed > _requested_cpu_devices() and not _accelerator_expected():
-        # Only the CPU backend reads this; on a GPU host it changes nothing.
+    if per_process > _requested_cpu_devices() and not _accelerator_expected():
+        # Only the CPU backend reads these; on a GPU host they change nothing.
         try:
-            jax.config.update("jax_num_cpu_devices", needed)
+            jax.config.update("jax_num_cpu_devices", per_process)
             emulating = True
         except RuntimeError:  # backends already initialised: check below what we have
             pass
+    if config.num_processes > 1 and not _accelerator_expected():
+        try:  # cross-process collectives on CPU go through gloo (NCCL on GPU needs nothing)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except RuntimeError:
+            pass
+    _distributed_initialize(config.coordinator_address, config.num_processes, config.process_id)
     devices = jax.devices()
     platform = devices[0].platform
     if platform == "cpu":
@@ -88,6 +94,11 @@ def setup(config: Config) -> list[jax.Device]:
         )
     elif len(devices) > needed:
         log.info("using %d of %d %s devices", needed, len(devices), platform.upper())
+    if config.num_processes > 1:  # the same number from every process, so groups stay on one
+        by_process = [
+            [d for d in devices if d.process_index == p] for p in range(config.num_processes)
+        ]
+        return [d for local in by_process for d in local[:per_process]][:needed]
     return devices[:needed]
 
 

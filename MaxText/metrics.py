@@ -62,10 +62,16 @@ class MetricsLogger:
     def __init__(self, config: Config, mfu_estimate: bool, start_step: int = 0):
         self.config = config
         self.mfu_estimate = mfu_estimate
+        # under several processes every process computes the same records; process 0 writes them
+        self._writer = config.process_id == 0
         os.makedirs(config.output_dir, exist_ok=True)
-        self._jsonl = open(config.metrics_file, "a", buffering=1)  # noqa: SIM115 (closed in close)
+        self._jsonl = (
+            open(config.metrics_file, "a", buffering=1)  # noqa: SIM115 (closed in close)
+            if self._writer
+            else None
+        )
         self._tb = None
-        if config.enable_tensorboard:
+        if config.enable_tensorboard and self._writer:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(config.tensorboard_dir)
@@ -77,7 +83,7 @@ class MetricsLogger:
             initial=start_step,
             unit="step",
             dynamic_ncols=True,
-            disable=not config.enable_progress_bar,
+            disable=not (config.enable_progress_bar and self._writer),
             file=sys.stderr,
         )
 
@@ -96,7 +102,8 @@ class MetricsLogger:
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (float(v) if isinstance(v, float) else v) for k, v in record.items()}
         self.info(format_line(clean, self.config.steps, self.mfu_estimate))
-        self._jsonl.write(json.dumps(clean) + "\n")
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(clean) + "\n")
         if self._tb is not None:
             for key, name in TENSORBOARD_NAMES.items():
                 value = clean.get(key)
@@ -106,6 +113,7 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._bar.close()
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import jaxpp_integration as jaxpp
 from MaxText import devices, flops, sharding
 from MaxText.checkpointing import Checkpoints
 from MaxText.config import Config, ConfigError, load_config
@@ -40,7 +41,9 @@ class TrainingDivergedError(RuntimeError):
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+    # fetch: under several processes the metrics live on the last pipeline group's process and
+    # are broadcast, so every process logs and checks for NaN alike
+    return {k: float(v) for k, v in jaxpp.fetch(metrics).items()}
 
 
 def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
@@ -139,8 +142,11 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
             evaluate_now = config.eval_interval > 0 and (
                 step % config.eval_interval == 0 or step == config.steps
             )
-            if evaluate_now:
-                finish(step, metrics, evaluate_now=True)
+            if evaluate_now or config.is_pipelined:
+                # the pipelined step runs its tasks while it dispatches them (small CPU programs
+                # even synchronously), so read it back now: otherwise step N's time would hold
+                # step N+1's work
+                finish(step, metrics, evaluate_now=evaluate_now)
             else:
                 pending = (step, metrics)
             checkpoints.maybe_save(step, state, data, final=step == config.steps)

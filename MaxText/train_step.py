@@ -289,9 +289,10 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     schedule = schedule_from_name(
         config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
     )
-    # The state is initialised on the first pipeline group's devices; the first step moves each
-    # stage's share to its group and every later step reuses the outputs where they live.
-    first_group = mpmd_mesh.unstack[0]
+    # The state is initialised on this process's first pipeline group (every process makes the
+    # same values from the seed); the first step moves each stage's share to its group and every
+    # later step reuses the outputs where they live.
+    first_group = mpmd_mesh.unstack[min(jaxpp.api.local_ranks(mpmd_mesh))]
     init_state, state_shardings = _init_on(first_group, config, model, optimizer, specs)
     batch_specs = {k: sharding.batch_spec() for k in BATCH_KEYS}
     step = make_train_step(config, model, optimizer, lr_schedule, schedule=schedule)
@@ -302,10 +303,10 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
         donate_argnums=(0,),
     )
-    batch_sharding = NamedSharding(first_group, sharding.batch_spec())
 
     def put_batch(batch):
-        return {k: jax.device_put(v, batch_sharding) for k, v in _as_step_batch(batch).items()}
+        # host arrays: the engine copies each to the groups that read it (first and last stage)
+        return _as_step_batch(batch)
 
     t0 = time.perf_counter()
     example_batch = put_batch(
@@ -325,7 +326,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     def eval_step(params, batch):
         # Evaluation runs unpipelined on the first group: the stage markers are no-ops there.
         local = jax.tree.map(
-            lambda x: jax.device_put(np.asarray(x), first_group.devices.flat[0]), params
+            lambda x: jax.device_put(x, first_group.devices.flat[0]), jaxpp.fetch(params)
         )
         return eval_jitted(local, {k: np.asarray(v) for k, v in batch.items()})
 

@@ -22,6 +22,7 @@ from jaxpp_integration import program as _program
 from jaxpp_integration.array import MpmdArray
 from jaxpp_integration.compile import compile_program
 from jaxpp_integration.fetch import fetch
+from jaxpp_integration.jax_compat import wait_at_barrier
 from jaxpp_integration.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
 from jaxpp_integration.mesh import MpmdMesh
 from jaxpp_integration.reductions import Add, Concat, Max
@@ -344,9 +345,8 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
     local = local_ranks(mesh)
     prepare(prog, slot_sharding, local)
     if jax.process_count() > 1:  # every process compiled everything: meet before the first step
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("jaxpp_integration: all tasks compiled")
+        _compile_barrier[0] += 1  # a fresh barrier name per compile, the same on every process
+        wait_at_barrier(f"jaxpp_integration_compiled_{_compile_barrier[0]}", BARRIER_TIMEOUT_S)
     out_specs = None
     if f.out_specs is not None:
         out_specs = [
@@ -370,6 +370,10 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         schedule,
         local,
     )
+
+
+BARRIER_TIMEOUT_S = 1800.0  # processes may compile at very different speeds
+_compile_barrier = [0]
 
 
 def local_ranks(mesh: MpmdMesh) -> frozenset:

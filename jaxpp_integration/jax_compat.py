@@ -22,3 +22,14 @@ def shard_map(f, *, mesh, in_specs, out_specs):
     from jax.experimental.shard_map import shard_map as legacy
 
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def wait_at_barrier(name: str, timeout_s: float) -> None:
+    """All processes meet at `name` through the coordination service (no device collective, so
+    no gloo/NCCL context timeout while slower processes are still compiling)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
