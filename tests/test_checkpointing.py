@@ -166,8 +166,12 @@ def test_resume_spmd_is_bitwise(spmd_full, tmp_path, capsys, logs):
     assert "run run is already at step 20 >= steps=20" in capsys.readouterr().out
 
 
-def test_truncated_latest_checkpoint_falls_back(spmd_full, tmp_path, logs):
-    """A file of checkpoint 20 cut in half: the restart warns, names it, resumes from 15."""
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_truncated_latest_checkpoint_falls_back(spmd_full, tmp_path, logs, capfd):
+    """A file of checkpoint 20 cut in half: the restart warns, names it, resumes from 15.
+
+    Nothing else on stderr: no traceback from reads abandoned inside orbax (the damage is found
+    before orbax reads the arrays)."""
     full_dir, full = spmd_full
     shutil.copytree(full_dir / "full" / "checkpoints", tmp_path / "run" / "checkpoints")
     bad = tmp_path / "run" / "checkpoints" / "20"
@@ -176,10 +180,15 @@ def test_truncated_latest_checkpoint_falls_back(spmd_full, tmp_path, logs):
     with open(biggest, "r+b") as f:
         f.truncate(biggest.stat().st_size // 2)
 
+    capfd.readouterr()
     train(tmp_path, "run", "steps=20")
+    assert "Traceback" not in capfd.readouterr().err
     warnings = logs.messages(logging.WARNING)
     assert len(warnings) == 1 and warnings[0].startswith(
-        f"checkpoint {bad} is incomplete or corrupt, skipping it ("
+        # tensorstore's words from the pre-read, not orbax's "Error reading ... in OCDBT": caught
+        # before orbax, whose abandoned async reads print "Event loop is closed" tracebacks
+        f"checkpoint {bad} is incomplete or corrupt, skipping it (ValueError: OUT_OF_RANGE: "
+        f"Requested byte range"
     ), warnings
     assert logs.resumes()[0].startswith("resuming run run from checkpoint step 15 (")
     assert_bitwise(losses(tmp_path, "run"), full, range(16, 21))
@@ -286,14 +295,15 @@ def test_on_disk_tree_does_not_depend_on_the_layout(spmd_full, pp4_full):
 @pytest.mark.parametrize(
     "layout, rtol",
     [
+        # Same microbatching (4): bitwise. For pipeline_parallelism=1 that holds on this config
+        # (measured); in general the engine's per-stage backward programs can order one reduction
+        # differently from jax.jit (tests/test_train.py::test_pipeline_matches_unpipelined, 2 ulp
+        # on other data), which would be the cause should an engine or XLA change break it.
         (("pipeline_parallelism=2",), 0.0),
-        # pipeline_parallelism=1 and fsdp are not bitwise to a pipelined run: the engine compiles
-        # each stage's backward as its own XLA program and orders one reduction differently
-        # (tests/test_train.py::test_pipeline_matches_unpipelined: 1e-7 relative per step), and
-        # fsdp sums sharded gradients in another order. Bound: 1e-5 relative.
-        (("pipeline_parallelism=1",), 1e-5),
-        # fsdp=4 needs the batch of 8 split into 2 microbatches (4 x 4 devices would not divide
-        # it): a different summation order again.
+        (("pipeline_parallelism=1",), 0.0),
+        # fsdp=4 cannot use 4 microbatches at a global batch of 8 (4 x 4 data-parallel devices
+        # do not divide it), so it runs 2 microbatches of 4 rows sharded over 4 devices: the loss
+        # and gradient sums are added in another order. Measured 1.1e-7 relative; bound 1e-5.
         (("ici_fsdp_parallelism=4", "num_pipeline_microbatches=2"), 1e-5),
     ],
     ids=["pp2", "pp1", "fsdp4"],
@@ -351,21 +361,23 @@ def _kill_when(proc: subprocess.Popen, marker: str, timeout: float = 600) -> lis
 
 
 @pytest.mark.slow
-def test_kill_during_training_resumes_from_last_complete(spmd_full, tmp_path, logs):
+def test_kill_during_training_resumes_from_last_complete(spmd_full, tmp_path, logs, capfd):
     _, full = spmd_full
     proc = _start(["-m", "MaxText.train", *argv(tmp_path, "run", "steps=20")])
     _kill_when(proc, "step 13/20 |")
     last = complete_steps(tmp_path / "run")[-1]
     assert last >= 5
 
+    capfd.readouterr()
     train(tmp_path, "run", "steps=20")
+    assert "Traceback" not in capfd.readouterr().err
     assert logs.resumes()[0].startswith(f"resuming run run from checkpoint step {last} (")
     assert not logs.messages(logging.WARNING)
     assert_bitwise(losses(tmp_path, "run"), full, range(last + 1, 21))
 
 
 @pytest.mark.slow
-def test_kill_during_async_save_resumes_from_previous(spmd_full, tmp_path, logs):
+def test_kill_during_async_save_resumes_from_previous(spmd_full, tmp_path, logs, capfd):
     """The save of step 15 is written but never finalized when the process dies."""
     _, full = spmd_full
     worker = str(REPO / "tests" / "checkpoint_worker.py")
@@ -376,7 +388,9 @@ def test_kill_during_async_save_resumes_from_previous(spmd_full, tmp_path, logs)
     assert (partial / "state").is_dir() and not (ckpt_dir / "15").exists()
     assert complete_steps(tmp_path / "run") == [5, 10]
 
+    capfd.readouterr()
     train(tmp_path, "run", "steps=20")
+    assert "Traceback" not in capfd.readouterr().err
     assert logs.resumes()[0].startswith("resuming run run from checkpoint step 10 (")
     assert not logs.messages(logging.WARNING)
     assert not partial.exists()  # the leftover temporary folder was removed
