@@ -27,9 +27,11 @@ shardings, or, pipelined, the groups whose compiled tasks read it (`_MpmdPlaceme
 
 **Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
 only when every item is written, so a killed save never looks complete; leftover temporary
-folders are removed when the next run opens the manager. A complete checkpoint that cannot be
-read (truncated or corrupt file) is skipped with a warning naming it, moved to
-`{run}/checkpoints_corrupt/` (so the step can be written again), and the previous one is used.
+folders are removed when the next run opens the manager. Before a checkpoint is restored its
+metadata files are parsed and every stored array chunk is read once (`_verify_arrays`); a
+complete checkpoint that cannot be read (truncated or corrupt file) is skipped with a warning
+naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and the
+previous one is used. Several processes: rejected by the config for now (untested here).
 
 Errors the user can fix (a checkpoint of a different model, a different seed or dataset, every
 checkpoint unreadable) raise `ConfigError` with one line.
