@@ -23,7 +23,7 @@ step uses for every layout (`layers_0`, `layers_1`, ...): nothing on disk depend
 leaves spread over groups) is saved leaf by leaf from the group that holds it, without gathering
 anything onto one device; a value held by several groups (the step counter) is written once. On
 restore every leaf is read straight onto the devices the target layout wants it on: the SPMD step's
-shardings, or, pipelined, the groups whose compiled tasks read it (`_MpmdPlacement`).
+shardings, or, pipelined, the groups whose compiled tasks read it (`MaxText/checkpoint_layout.py`).
 
 **Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
 only when every item is written, so a killed save never looks complete; leftover temporary
@@ -52,8 +52,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
+from MaxText.checkpoint_layout import placement_for, restore_args
 from MaxText.config import Config, ConfigError
 
 # orbax is imported where it is used: importing it logs through absl, which installs a root log
@@ -92,111 +92,6 @@ LAYOUT_KEYS = (
 
 
 # --------------------------------------------------------------------------- placement of leaves
-
-
-class _SpmdPlacement:
-    """SPMD: leaves are global `jax.Array`s; restore onto the step's input shardings."""
-
-    def __init__(self, shardings: Any):
-        self._shardings = jax.tree.leaves(shardings)
-
-    def saveable(self, leaves: list) -> list:
-        return leaves
-
-    def restore_shardings(self, indices: Sequence[int]) -> list:
-        return [self._shardings[i] for i in indices]
-
-    def place(self, leaves: list, indices: Sequence[int]) -> list:
-        return leaves
-
-
-class _MpmdPlacement:
-    """Pipelined: leaf i lives on the groups whose compiled tasks read state input i.
-
-    Save: an `MpmdArray` is written from the first group holding it (that group's `jax.Array`, on
-    that group's devices). Under several processes a process that does not hold that group passes
-    an array with no local shards, so only the holder writes.
-    Restore: leaf i is read once onto the devices of all its groups (replicated across groups,
-    sharded within each by its PartitionSpec), then split into one `jax.Array` per group without
-    copying, and wrapped as the `MpmdArray` the step takes without any transfer.
-    """
-
-    def __init__(self, trainer: Any, num_leaves: int):
-        import jaxpp_integration as jaxpp
-
-        self._MpmdArray = jaxpp.MpmdArray
-        self.mesh = trainer.mpmd_mesh
-        fallback = jax.tree.leaves(trainer.state_specs, is_leaf=_is_spec)
-        self.groups: list[tuple[int, ...]] = []
-        self.specs: list = []
-        program = getattr(trainer.train_step, "program", None)
-        slot_sharding = getattr(trainer.train_step, "slot_sharding", None)
-        for i in range(num_leaves):
-            slots = program.inputs[i] if program is not None else {}
-            if slots:
-                ranks = tuple(sorted(slots))
-                spec = slot_sharding[slots[ranks[0]]].spec
-            else:  # not compiled by the engine (or an unused leaf): the first group
-                ranks, spec = (0,), fallback[i]
-            self.groups.append(ranks)
-            self.specs.append(spec)
-
-    def saveable(self, leaves: list) -> list:
-        out = []
-        for x in leaves:
-            if isinstance(x, self._MpmdArray):
-                group = x.mpmd_idxs[0]
-                arr = x.arrays.get(group)
-                if arr is None:  # another process holds it: a global view with no local shards
-                    sharding = NamedSharding(self.mesh.unstack[group], x.spec)
-                    arr = jax.make_array_from_single_device_arrays(
-                        x.shape, sharding, [], dtype=x.dtype
-                    )
-                x = arr
-            out.append(x)
-        return out
-
-    def restore_shardings(self, indices: Sequence[int]) -> list:
-        return [NamedSharding(self.mesh.submesh(self.groups[i]), self.specs[i]) for i in indices]
-
-    def place(self, leaves: list, indices: Sequence[int]) -> list:
-        out = []
-        for x, i in zip(leaves, indices, strict=True):
-            ranks, spec = self.groups[i], self.specs[i]
-            per_group = {}
-            for r in ranks:
-                devices = set(self.mesh.devices_of(r))
-                shards = [s.data for s in x.addressable_shards if s.device in devices]
-                if shards:
-                    sharding = self.mesh.sharding(r, spec)
-                    per_group[r] = jax.make_array_from_single_device_arrays(
-                        x.shape, sharding, shards
-                    )
-            aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
-            out.append(self._MpmdArray(self.mesh, per_group, mpmd_idxs=ranks, aval=aval, spec=spec))
-        return out
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, jax.sharding.PartitionSpec)
-
-
-def _placement(trainer: Any, num_leaves: int):
-    if getattr(trainer, "mpmd_mesh", None) is not None:
-        return _MpmdPlacement(trainer, num_leaves)
-    return _SpmdPlacement(trainer.state_shardings)
-
-
-# ------------------------------------------------------------------------------ reading helpers
-
-
-def _restore_args(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> list:
-    import orbax.checkpoint as ocp
-
-    return [
-        ocp.ArrayRestoreArgs(sharding=s, global_shape=tuple(a.shape), dtype=a.dtype)
-        for a, s in zip(abstract_leaves, shardings)
-    ]
 
 
 def _open_manager(directory: str | os.PathLike, config: Config | None, read_only: bool):
@@ -335,7 +230,7 @@ def restore_latest(
     if restore_as_numpy:
         args = [ocp.RestoreArgs(restore_type=np.ndarray) for _ in leaves]
     else:
-        args = _restore_args(leaves, shardings)
+        args = restore_args(leaves, shardings)
     skipped = []
     for s in steps:
         step_dir = directory / str(s)
@@ -477,7 +372,7 @@ class Checkpoints:
         leaves, self._treedef = jax.tree.flatten(trainer.abstract_state)
         self._params_treedef = jax.tree.structure(trainer.abstract_state["params"])
         self._abstract_leaves = leaves
-        self._placement = _placement(trainer, len(leaves))
+        self._placement = placement_for(trainer, len(leaves))
         self._manager = None
         self.last_save_blocking_s: float | None = None
         if config.enable_checkpointing:
