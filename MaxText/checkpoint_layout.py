@@ -1,7 +1,8 @@
 """How checkpointed state leaves map between a training layout and the canonical on-disk tree.
 
 Save: `saveable(leaves)` gives orbax one global array per leaf (pipelined `MpmdArray`s are written
-from the first group holding them, never gathered). Restore: `restore_shardings(indices)` tells
+from the first group holding them, never gathered; under several processes spread over all groups
+first, see `jaxpp.mpmd_to_spmd_reshard`). Restore: `restore_shardings(indices)` tells
 orbax where to read each leaf, and `place(leaves, indices)` turns what it read into what the step
 takes (SPMD: the step's shardings; pipelined: one `MpmdArray` over the groups that read it).
 """
@@ -13,6 +14,9 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
+
+# orbax's placeholder (`...`): a leaf this process does not read (it holds no group of it).
+SKIPPED = ...
 
 
 class _SpmdPlacement:
@@ -34,19 +38,24 @@ class _SpmdPlacement:
 class _MpmdPlacement:
     """Pipelined: leaf i lives on the groups whose compiled tasks read state input i.
 
-    Save: an `MpmdArray` is written from the first group holding it (that group's `jax.Array`, on
-    that group's devices). Under several processes a process that does not hold that group passes
-    an array with no local shards, so only the holder writes.
-    Restore: leaf i is read once onto the devices of all its groups (replicated across groups,
-    sharded within each by its PartitionSpec), then split into one `jax.Array` per group without
-    copying, and wrapped as the `MpmdArray` the step takes without any transfer.
+    Save, one process: an `MpmdArray` is written from the first group holding it (that group's
+    `jax.Array`). Several processes: orbax refuses arrays that live on one process, so each value
+    is spread over all groups (`mpmd_to_spmd_reshard`) and every process writes its part.
+    Restore: leaf i is read once onto the devices of this process's groups among its holders
+    (replicated across groups, sharded within each by its PartitionSpec; not read at all by a
+    process holding none), then split into one `jax.Array` per group without copying, and
+    wrapped as the `MpmdArray` the step takes without any transfer.
     """
 
-    def __init__(self, trainer: Any, num_leaves: int):
+    def __init__(self, trainer: Any, abstract_leaves: Sequence[Any]):
         import jaxpp_integration as jaxpp
+        from jaxpp_integration.api import local_ranks
 
         self._MpmdArray = jaxpp.MpmdArray
         self.mesh = trainer.mpmd_mesh
+        self.local = local_ranks(self.mesh)
+        self.abstract = list(abstract_leaves)
+        num_leaves = len(self.abstract)
         fallback = jax.tree.leaves(trainer.state_specs, is_leaf=_is_spec)
         self.groups: list[tuple[int, ...]] = []
         self.specs: list = []
@@ -63,37 +72,37 @@ class _MpmdPlacement:
             self.specs.append(spec)
 
     def saveable(self, leaves: list) -> list:
-        out = []
-        for x in leaves:
-            if isinstance(x, self._MpmdArray):
-                group = x.mpmd_idxs[0]
-                arr = x.arrays.get(group)
-                if arr is None:  # another process holds it: a global view with no local shards
-                    sharding = NamedSharding(self.mesh.unstack[group], x.spec)
-                    arr = jax.make_array_from_single_device_arrays(
-                        x.shape, sharding, [], dtype=x.dtype
-                    )
-                x = arr
-            out.append(x)
-        return out
+        if jax.process_count() > 1:  # orbax writes only arrays spanning several processes
+            from jaxpp_integration.reshard import mpmd_to_spmd_reshard
+
+            return jax.tree.leaves(mpmd_to_spmd_reshard(leaves))
+        return [x.arrays[x.mpmd_idxs[0]] if isinstance(x, self._MpmdArray) else x for x in leaves]
 
     def restore_shardings(self, indices: Sequence[int]) -> list:
-        return [NamedSharding(self.mesh.submesh(self.groups[i]), self.specs[i]) for i in indices]
+        """Where this process reads each leaf: onto its own groups among the leaf's holders, or
+        None (not read here) when it holds none of them."""
+        out = []
+        for i in indices:
+            ranks = [r for r in self.groups[i] if r in self.local]
+            out.append(NamedSharding(self.mesh.submesh(ranks), self.specs[i]) if ranks else None)
+        return out
 
     def place(self, leaves: list, indices: Sequence[int]) -> list:
         out = []
         for x, i in zip(leaves, indices, strict=True):
             ranks, spec = self.groups[i], self.specs[i]
             per_group = {}
-            for r in ranks:
-                devices = set(self.mesh.devices_of(r))
-                shards = [s.data for s in x.addressable_shards if s.device in devices]
-                if shards:
-                    sharding = self.mesh.sharding(r, spec)
-                    per_group[r] = jax.make_array_from_single_device_arrays(
-                        x.shape, sharding, shards
-                    )
-            aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            if x is not SKIPPED:
+                for r in ranks:
+                    devices = set(self.mesh.devices_of(r))
+                    shards = [s.data for s in x.addressable_shards if s.device in devices]
+                    if shards:
+                        sharding = self.mesh.sharding(r, spec)
+                        per_group[r] = jax.make_array_from_single_device_arrays(
+                            x.shape, sharding, shards
+                        )
+            a = self.abstract[i]
+            aval = jax.ShapeDtypeStruct(a.shape, a.dtype)
             out.append(self._MpmdArray(self.mesh, per_group, mpmd_idxs=ranks, aval=aval, spec=spec))
         return out
 
@@ -102,19 +111,28 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, jax.sharding.PartitionSpec)
 
 
-def placement_for(trainer: Any, num_leaves: int):
+def placement_for(trainer: Any, abstract_leaves: Sequence[Any]):
     if getattr(trainer, "mpmd_mesh", None) is not None:
-        return _MpmdPlacement(trainer, num_leaves)
+        return _MpmdPlacement(trainer, abstract_leaves)
     return _SpmdPlacement(trainer.state_shardings)
 
 
 # ------------------------------------------------------------------------------ reading helpers
 
 
-def restore_args(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> list:
+def restore_args(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> tuple[list, list]:
+    """(orbax item leaves, orbax restore args): a leaf whose sharding is None is not read here
+    (orbax's placeholder in both; `place` gets `SKIPPED` for it)."""
     import orbax.checkpoint as ocp
 
-    return [
-        ocp.ArrayRestoreArgs(sharding=s, global_shape=tuple(a.shape), dtype=a.dtype)
-        for a, s in zip(abstract_leaves, shardings)
-    ]
+    items, args = [], []
+    for a, s in zip(abstract_leaves, shardings, strict=True):
+        if s is None:
+            items.append(SKIPPED)
+            args.append(SKIPPED)
+        else:
+            items.append(a)
+            args.append(
+                ocp.ArrayRestoreArgs(sharding=s, global_shape=tuple(a.shape), dtype=a.dtype)
+            )
+    return items, args

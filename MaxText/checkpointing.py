@@ -31,7 +31,14 @@ folders are removed when the next run opens the manager. Before a checkpoint is 
 metadata files are parsed and every stored array chunk is read once (`_verify_arrays`); a
 complete checkpoint that cannot be read (truncated or corrupt file) is skipped with a warning
 naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and the
-previous one is used. Several processes: rejected by the config for now (untested here).
+previous one is used.
+
+**Several processes** (`num_processes>1`): every process opens the same manager (a folder all of
+them see) and saves collectively. orbax writes only arrays that span processes, so a pipelined
+state is first spread over all groups (`jaxpp.mpmd_to_spmd_reshard`) and each process writes its
+part; on restore a process reads only the leaves its groups hold (orbax's placeholder for the
+rest). Whether a step is readable is agreed by all processes: it is used only if every process
+read it, and moved aside only if none could.
 
 Errors the user can fix (a checkpoint of a different model, a different seed or dataset, every
 checkpoint unreadable) raise `ConfigError` with one line.
@@ -167,14 +174,6 @@ def _reason(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {line[:limit]}"
 
 
-def _model_mismatch(saved: dict, config: Config) -> list[str]:
-    return [
-        f"{k}={saved.get(k)!r} in the checkpoint vs {getattr(config, k)!r} now"
-        for k in MODEL_KEYS
-        if saved.get(k) != getattr(config, k)
-    ]
-
-
 def find_step_dir(path: str | os.PathLike) -> tuple[Path, int | None]:
     """`path` is a checkpoints folder (-> its latest step) or one step's folder.
 
@@ -228,51 +227,87 @@ def restore_latest(
         return None
     leaves, treedef = jax.tree.flatten(abstract_tree)
     if restore_as_numpy:
-        args = [ocp.RestoreArgs(restore_type=np.ndarray) for _ in leaves]
+        items, args = leaves, [ocp.RestoreArgs(restore_type=np.ndarray) for _ in leaves]
     else:
-        args = restore_args(leaves, shardings)
+        items, args = restore_args(leaves, shardings)
     skipped = []
     for s in steps:
         step_dir = directory / str(s)
+        restored = error = None
         try:
-            _check_json_files(step_dir)
-            meta = manager.restore(
-                s, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in json_items})
-            )
+            meta = _read_json(manager, s, step_dir, json_items)
+            if config is not None and "config" in meta:
+                _check_model(meta["config"], config, step_dir)
+            state = _read_state(manager, s, step_dir, treedef, items, args, partial)
+            restored = Restored(step=s, directory=step_dir, state=state, items=meta)
+        except ConfigError:
+            raise  # the same on every process: it holds another model
         except Exception as e:  # noqa: BLE001 (any failure to read means: not usable)
-            _skip(step_dir, e, quarantine, skipped)
-            continue
-        items = {k: meta[k] for k in json_items}
-        if config is not None and "config" in items:
-            wrong = _model_mismatch(items["config"], config)
-            if wrong:
-                raise ConfigError(
-                    f"checkpoint {step_dir} holds a different model: {'; '.join(wrong)}; "
-                    f"use the same model keys or another run_name"
-                )
-        try:
-            _verify_arrays(step_dir / "state", "params." if partial else "")
-            restored = manager.restore(
-                s,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        item=abstract_tree,
-                        restore_args=jax.tree.unflatten(treedef, args),
-                        partial_restore=partial,
-                    )
-                ),
-            )["state"]
-        except Exception as e:  # noqa: BLE001
-            _skip(step_dir, e, quarantine, skipped)
-            continue
-        state = jax.tree.unflatten(treedef, jax.tree.leaves(restored))
-        if skipped:
-            manager.reload()
-        return Restored(step=s, directory=step_dir, state=state, items=items)
+            error = e
+        readable = _count_everywhere(restored is not None)
+        if readable == jax.process_count():
+            if skipped:
+                manager.reload()
+            return restored
+        if error is None:
+            error = RuntimeError("another process could not read it")
+        # Moved aside only when no process could read it (a checkpoint one process reads is not
+        # corrupt: the others see another filesystem or failed for another reason).
+        _skip(step_dir, error, quarantine if readable == 0 else None, skipped)
     raise ConfigError(
         f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); move the folder "
         f"away to start the run from scratch"
     )
+
+
+def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict[str, Any]:
+    import orbax.checkpoint as ocp
+
+    _check_json_files(step_dir)
+    got = manager.restore(
+        step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in names})
+    )
+    return {k: got[k] for k in names}
+
+
+def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
+    wrong = [
+        f"{k}={saved.get(k)!r} in the checkpoint vs {getattr(config, k)!r} now"
+        for k in MODEL_KEYS
+        if saved.get(k) != getattr(config, k)
+    ]
+    if wrong:
+        raise ConfigError(
+            f"checkpoint {step_dir} holds a different model: {'; '.join(wrong)}; "
+            f"use the same model keys or another run_name"
+        )
+
+
+def _read_state(manager, step, step_dir, treedef, items, args, partial: bool) -> Any:
+    """The `state` item's arrays (after reading every stored chunk once, see `_verify_arrays`)."""
+    import orbax.checkpoint as ocp
+
+    _verify_arrays(step_dir / "state", "params." if partial else "")
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item=jax.tree.unflatten(treedef, items),
+                restore_args=jax.tree.unflatten(treedef, args),
+                partial_restore=partial,
+            )
+        ),
+    )["state"]
+    return jax.tree.unflatten(treedef, jax.tree.leaves(restored))
+
+
+def _count_everywhere(flag: bool) -> int:
+    """How many processes passed `flag` (each process calls this in the same order)."""
+    if jax.process_count() == 1:
+        return int(flag)
+    from jax.experimental import multihost_utils
+
+    return int(np.sum(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: list[str]) -> None:
@@ -372,7 +407,7 @@ class Checkpoints:
         leaves, self._treedef = jax.tree.flatten(trainer.abstract_state)
         self._params_treedef = jax.tree.structure(trainer.abstract_state["params"])
         self._abstract_leaves = leaves
-        self._placement = placement_for(trainer, len(leaves))
+        self._placement = placement_for(trainer, leaves)
         self._manager = None
         self.last_save_blocking_s: float | None = None
         if config.enable_checkpointing:

@@ -411,12 +411,6 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         raise ConfigError(
             f"process_id={v['process_id']} must be < num_processes={v['num_processes']}"
         )
-    if v["num_processes"] > 1 and v["enable_checkpointing"]:
-        raise ConfigError(
-            f"enable_checkpointing with num_processes={v['num_processes']} is not supported yet "
-            "(each process holds only its groups' arrays); set enable_checkpointing=false"
-        )
-
     _resolve_parallelism(v, None)
     pp = v["ici_pipeline_parallelism"]
     dp = v["ici_data_parallelism"] * v["ici_fsdp_parallelism"]

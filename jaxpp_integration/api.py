@@ -27,6 +27,7 @@ from jaxpp_integration.marker import mark_stage_end, pipeline_enter_stage, pipel
 from jaxpp_integration.mesh import MpmdMesh
 from jaxpp_integration.reductions import Add, Concat, Max
 from jaxpp_integration.render import render_program
+from jaxpp_integration.reshard import mpmd_to_spmd_reshard
 from jaxpp_integration.runtime import MemoryReport, execute, prepare
 from jaxpp_integration.schedules import (
     DualPipeV,
@@ -66,6 +67,7 @@ __all__ = [
     "fetch",
     "mark_stage_end",
     "mpmd_jit_with_loop",
+    "mpmd_to_spmd_reshard",
     "pipeline_enter_stage",
     "pipeline_yield",
     "schedule_from_name",

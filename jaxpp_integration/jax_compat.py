@@ -13,15 +13,16 @@ def source_line(eqn) -> str:
         return "<unknown source line>"
 
 
-def shard_map(f, *, mesh, in_specs, out_specs):
-    """`jax.shard_map` where it exists (newer JAX), else the experimental one."""
+def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
+    """`jax.shard_map` where it exists (newer JAX), else the experimental one. `check=False`
+    turns off the replication check (for outputs equal across an axis by construction)."""
     import jax
 
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
     from jax.experimental.shard_map import shard_map as legacy
 
-    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
 
 
 def wait_at_barrier(name: str, timeout_s: float) -> None:

@@ -152,3 +152,43 @@ def test_marker_is_noop_outside_pipelining():
     jaxpr = jax.make_jaxpr(lambda y: jaxpp.pipeline_enter_stage(y) * 2)(x)
     assert "pipeline_marker" not in str(jaxpr)
     assert jax.vmap(jaxpp.pipeline_enter_stage)(x) is not None
+
+
+def test_mpmd_to_spmd_reshard_spreads_each_value_bitwise():
+    """Each `MpmdArray` becomes one global array on the full 4x2 mesh: split over the groups
+    along the first dimension that divides evenly (on top of its in-group sharding), else
+    replicated; values equal the source group's bitwise (signed zeros and NaNs included)."""
+    mesh = jaxpp.MpmdMesh(
+        jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "fsdp")), "stage"
+    )
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((8, 6)).astype(np.float32)
+    a[0, :3] = [-0.0, np.nan, np.inf]
+    cases = {  # value, spec within a group, holding groups, expected spec on the full mesh
+        "split_sharded": (a, P("fsdp"), (1,), P(("fsdp", "stage"))),
+        "split_second_dim": (rng.standard_normal((3, 4)).astype(np.float32), P(), (2,), None),
+        "replicated": (rng.standard_normal((3, 5)).astype(np.float32), P(), (3,), P()),
+        "scalar_on_two": (np.array(7, np.int32), P(), (0, 3), P()),
+        "odd_sharded": (
+            rng.standard_normal((6, 4)).astype(np.float32),
+            P(None, "fsdp"),
+            (2,),
+            P(None, "fsdp"),
+        ),
+    }
+    tree = {
+        k: jaxpp.MpmdArray(mesh, {r: jax.device_put(v, mesh.sharding(r, spec)) for r in groups})
+        for k, (v, spec, groups, _) in cases.items()
+    }
+    out = jaxpp.mpmd_to_spmd_reshard(tree)
+    for k, (v, _, _, want_spec) in cases.items():
+        y = out[k]
+        assert y.sharding.mesh == mesh.jax_mesh, k
+        if want_spec is not None:
+            assert y.sharding.spec == want_spec, (k, y.sharding.spec)
+        got = np.atleast_1d(np.asarray(y))
+        np.testing.assert_array_equal(
+            got.view(np.uint8), np.atleast_1d(v).view(np.uint8), err_msg=k
+        )
+    assert out["split_second_dim"].sharding.spec == P(None, "stage")
+    assert out["split_sharded"].addressable_shards[0].data.shape == (1, 6)  # 8 rows / (2 x 4)
