@@ -3,9 +3,17 @@
 Takes the traced step (top-level jaxpr with exactly one `treduce` equation) and the loop tasks'
 ranks. Guarantees:
 - the loop's outputs (accumulators) live on the rank of the task that produces them;
-- an after-loop equation runs on the intersection of its placed inputs' ranks, or — when they
-  share none (a global gradient norm summed over groups, a step counter) — on their union, with
-  the inputs transferred: a cross-group reduction computed identically on each group;
+- an after-loop equation reading a placed array ("heavy": not a scalar, not light; e.g. a stage's
+  gradient) runs where those arrays live: on their intersection, or on their union when they
+  share none (a tied weight's two gradients, summed identically on each group); scalars and
+  light values from other groups are sent to it. So a stage's optimizer update stays on its group
+  even when the gradients are divided by a token count or scaled by a global-norm clip factor
+  computed elsewhere;
+- an after-loop equation reading only placed scalars and light values ("light": a token count,
+  per-group squared norms and their sum, a clip factor and its broadcasts) runs on every group
+  that reads its result (and where a step output needs it): each group receives the few scalars
+  it needs at once and computes the same thing in the same order, so a cross-group reduction
+  takes one round and stays bitwise;
 - equations that read no placed value ("free": casts of params, step + 1, schedules of the
   learning rate) are replicated into every rank that needs them and run before the loop;
 - step outputs that are free (e.g. the step counter) live on every group.
@@ -54,27 +62,37 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
         placed[v] = frozenset([r])
     eqn_ranks: dict = {}
     free_after = []
-    reductions = []  # eqns combining values of different groups (their inputs share no rank)
+    light: dict = {}  # id(light eqn) -> eqn; its outputs are in light_vars
+    light_vars: set = set()
     for eqn in after:
         if eqn.primitive is treduce_p:
             raise ValueError(f"a second treduce at {source_line(eqn)} is not supported")
-        sets = [placed[v] for v in eqn.invars if isinstance(v, Var) and v in placed]
-        if not sets:
+        ins = [v for v in eqn.invars if is_var(v) and v in placed]
+        if not ins:
             free_after.append(eqn)
             continue
-        common = frozenset.intersection(*sets)
-        ranks = common if common else frozenset.union(*sets)
-        if not common:
-            reductions.append(eqn)
+        heavy = [v for v in ins if v not in light_vars and _size(v.aval) > 1]
+        if heavy:
+            ranks = _meet([placed[v] for v in heavy])
+        else:  # final ranks are set below, from where the result is read
+            ranks = _meet([placed[v] for v in ins])
+            light[id(eqn)] = eqn
+            light_vars.update(eqn.outvars)
+        eqn_ranks[id(eqn)] = ranks
+        for o in eqn.outvars:
+            placed[o] = ranks
+
+    output_ranks = [
+        placed[v] if isinstance(v, Var) and v in placed else all_ranks for v in jaxpr.outvars
+    ]
+    _place_light(after, light, eqn_ranks, placed, jaxpr.outvars, output_ranks)
+    for eqn in after:
+        ranks = eqn_ranks.get(id(eqn), ())
         if eqn.effects and len(ranks) > 1:
             raise ValueError(
                 f"cannot place {eqn.primitive} at {source_line(eqn)}: a side-effecting equation "
                 f"would run on groups {sorted(ranks)}; move it out of the step"
             )
-        eqn_ranks[id(eqn)] = ranks
-        for o in eqn.outvars:
-            placed[o] = ranks
-    _widen_small_reductions(after, reductions, eqn_ranks, placed)
 
     need: dict = {}
 
@@ -82,13 +100,7 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
         if isinstance(v, Var):
             need.setdefault(v, set()).update(ranks)
 
-    output_ranks = []
-    for v in jaxpr.outvars:
-        if isinstance(v, Var) and v in placed:
-            ranks = placed[v]
-        else:
-            ranks = all_ranks
-        output_ranks.append(ranks)
+    for v, ranks in zip(jaxpr.outvars, output_ranks):
         add_need(v, ranks)
     for v, ranks in loop_in_need.items():
         add_need(v, ranks)
@@ -106,27 +118,33 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
     return Placement(before, loop_eqn, after, placed, eqn_ranks, free_eqns, need, output_ranks)
 
 
-SMALL_REDUCTION_ELEMENTS = 4096
+def _meet(sets: list) -> frozenset:
+    """The ranks holding all of `sets` if any, else all of them (the inputs are sent there)."""
+    common = frozenset.intersection(*sets)
+    return common if common else frozenset.union(*sets)
 
 
-def _widen_small_reductions(after, reductions, eqn_ranks, placed) -> None:
-    """Runs each small cross-group reduction (a sum of per-group norms, a step counter) on every
-    group that reads its result, not only on the groups of its inputs. A chain of adds over p
-    groups then runs in one round on every group (all partials sent at once) instead of p rounds
-    growing one group at a time; each group adds in the same order, so results stay bitwise."""
+def _place_light(after, light, eqn_ranks, placed, outvars, output_ranks) -> None:
+    """Light equations run on the ranks that read their outputs (later equations, step outputs);
+    visited last to first, so every reader's ranks are final. One read nowhere keeps its own."""
     readers: dict = {}
     for eqn in after:
         for v in eqn.invars:
             if isinstance(v, Var) and id(eqn) in eqn_ranks:
                 readers.setdefault(v, []).append(eqn)
-    for eqn in reversed(reductions):
-        if any(_size(o.aval) > SMALL_REDUCTION_ELEMENTS for o in eqn.outvars):
+    out_ranks: dict = {}
+    for v, ranks in zip(outvars, output_ranks):
+        if isinstance(v, Var):
+            out_ranks[v] = out_ranks.get(v, frozenset()) | ranks
+    for eqn in reversed(after):
+        if id(eqn) not in light:
             continue
-        ranks = set(eqn_ranks[id(eqn)])
+        ranks = set()
         for o in eqn.outvars:
+            ranks |= out_ranks.get(o, frozenset())
             for reader in readers.get(o, ()):
                 ranks |= eqn_ranks[id(reader)]
-        ranks = frozenset(ranks)
+        ranks = frozenset(ranks) or eqn_ranks[id(eqn)]
         eqn_ranks[id(eqn)] = ranks
         for o in eqn.outvars:
             placed[o] = ranks

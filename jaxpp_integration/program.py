@@ -287,6 +287,7 @@ class _Builder:
         for e in self.placement.after:
             for r in self.placement.eqn_ranks.get(id(e), ()):
                 groups.setdefault((seg[(id(e), r)], r), []).append(e)
+        _recompute_elementwise(groups, self.placement.after)
         step_outs = {v for v in self.jaxpr.outvars if isinstance(v, Var)}
         for (k, r), eqns in sorted(groups.items()):
             missing = {v for v in _reads(eqns) if v in self.free_out and (v, r) not in self.where}
@@ -331,6 +332,48 @@ def build_program(
     return Program(
         b.instrs, b.slot_rank, b.slot_aval, b.slot_kind, inputs, outputs, b.constants, b.mpmd_dim
     )
+
+
+# Cheap elementwise primitives worth recomputing rather than passing between after-loop programs.
+_ELEMENTWISE = frozenset(
+    ["add", "sub", "mul", "div", "neg", "max", "min", "convert_element_type", "select_n"]
+)
+
+
+def _recompute_elementwise(groups: dict, order: list) -> None:
+    """Copies into each after-loop program the elementwise equations of earlier programs on the
+    same rank whose results it reads (transitively), so it recomputes them from their inputs.
+
+    `jax.jit` sees the whole step as one program and XLA folds such chains (a gradient divided by
+    a token count in one program, by the global norm in the next, becomes one multiply by a
+    combined scalar); recomputing gives each program the same chain, so results stay bitwise, and
+    the intermediate no longer has to be kept between programs."""
+    position = {id(e): i for i, e in enumerate(order)}
+    made: dict = {}  # (rank, var) -> (segment, eqn)
+    for (k, r), eqns in groups.items():
+        for e in eqns:
+            for o in e.outvars:
+                made[(r, o)] = (k, e)
+    for (k, r), eqns in groups.items():
+        have = {id(e) for e in eqns}
+        todo = list(eqns)
+        while todo:
+            e = todo.pop()
+            for v in e.invars:
+                if not isinstance(v, Var):
+                    continue
+                k2, src = made.get((r, v), (k, None))
+                if (
+                    src is not None
+                    and k2 < k
+                    and id(src) not in have
+                    and src.primitive.name in _ELEMENTWISE
+                    and not src.effects
+                ):
+                    have.add(id(src))
+                    eqns.append(src)
+                    todo.append(src)
+        eqns.sort(key=lambda e: position[id(e)])
 
 
 def _dce(eqns, targets):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from engine_models import clipping_sgd, make_step, mpmd_mesh, tied_mlp_setup
+from engine_models import clipping_sgd, make_step, mpmd_mesh, run_both, tied_mlp_setup
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -192,3 +192,39 @@ def test_mpmd_to_spmd_reshard_spreads_each_value_bitwise():
         )
     assert out["split_second_dim"].sharding.spec == P(None, "stage")
     assert out["split_sharded"].addressable_shards[0].data.shape == (1, 6)  # 8 rows / (2 x 4)
+
+
+def test_optimizer_state_stays_on_its_stage_group():
+    """A step shaped like the trainer's: the loss is a sum, each microbatch also returns a token
+    count made by the last stage, the gradients are divided by that count, clipped by global
+    norm and applied with AdamW. Each stage's params and Adam moments must stay on its own group
+    (only scalars cross groups), and everything stays bitwise equal to jax.jit."""
+    schedule = jaxpp.Std1F1B(4)
+    params, batch, loss_fn = tied_mlp_setup(4, 4, width=16, tied=False)
+    opt = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2, weight_decay=0.1))
+
+    def sums(p, mb):
+        loss = loss_fn(p, mb)
+        return loss * mb[1].size, jnp.sum(mb[1] > 0).astype(jnp.float32)
+
+    def step(params, opt_state, batch):
+        (loss_sum, count), grads = jaxpp.treduce(
+            lambda mb: jax.value_and_grad(sums, has_aux=True)(params, mb),
+            batch,
+            schedule=schedule,
+            operation=jaxpp.Add,
+        )
+        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss_sum / count
+
+    r_out, p_out, losses, _ = run_both(step, params, opt.init(params), batch, mpmd_mesh(4))
+    for a, b in losses:
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(r_out), jax.tree.leaves(p_out), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    new_params, adam = p_out[0], p_out[1][1][0]
+    for stage in range(4):
+        for tree in (new_params, adam.mu, adam.nu):
+            assert tree["layers"][stage].mpmd_idxs == (stage,), stage
+    assert new_params["embed"].mpmd_idxs == (0,) and new_params["head"].mpmd_idxs == (3,)
