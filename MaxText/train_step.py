@@ -106,12 +106,22 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model: Decoder) -> Callable:
-    """(params, batch) -> {"loss_sum", "tokens"}; the loop sums these over held-out batches."""
+def make_eval_step(model: Decoder, num_microbatches: int = 1, schedule: Any = None) -> Callable:
+    """(params, batch) -> {"loss_sum", "tokens"}; the loop sums these over held-out batches.
+
+    With a `schedule` the batch is split like the train step's and the forward pass runs as a
+    pipelined `treduce` (no backward tasks), so every stage's weights stay on their group."""
     loss_fn = make_loss_fn(model)
 
     def eval_step(params, batch):
-        loss_sum, count = loss_fn(params, {k: batch[k] for k in BATCH_KEYS})
+        batch = {k: batch[k] for k in BATCH_KEYS}
+        if schedule is None:
+            loss_sum, count = loss_fn(params, batch)
+        else:
+            microbatches = {k: split_microbatches(v, num_microbatches) for k, v in batch.items()}
+            loss_sum, count = jaxpp.treduce(
+                lambda mb: loss_fn(params, mb), microbatches, schedule=schedule, operation=jaxpp.Add
+            )
         return {"loss_sum": loss_sum, "tokens": count}
 
     return eval_step
@@ -320,15 +330,21 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     def init_state():
         return first_state.pop() if first_state else fresh_state()
 
-    eval_fn = make_eval_step(model)
-    eval_jitted = jax.jit(eval_fn)
+    eval_pipelined = jaxpp.mpmd_jit_with_loop(
+        make_eval_step(model, config.num_pipeline_microbatches, schedule),
+        mpmd_mesh=mpmd_mesh,
+        in_specs=(specs["params"], batch_specs),
+        out_specs={"loss_sum": PartitionSpec(), "tokens": PartitionSpec()},
+    )
+    t0 = time.perf_counter()
+    eval_compiled = eval_pipelined.compile(first_state[0]["params"], example_batch)
+    compile_seconds += time.perf_counter() - t0
 
     def eval_step(params, batch):
-        # Evaluation runs unpipelined on the first group: the stage markers are no-ops there.
-        local = jax.tree.map(
-            lambda x: jax.device_put(x, first_group.devices.flat[0]), jaxpp.fetch(params)
-        )
-        return eval_jitted(local, {k: np.asarray(v) for k, v in batch.items()})
+        # fetch: the sums live on the last group, which may belong to another process
+        return jaxpp.fetch(eval_compiled(params, batch))
+
+    eval_step.compiled = eval_compiled  # for inspection (tests, benchmarks)
 
     return Trainer(
         config=config,

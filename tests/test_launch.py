@@ -17,7 +17,8 @@ ARGS = [
     "pipeline_parallelism=2",
     "steps=3",
     "log_period=1",
-    "eval_interval=0",
+    "eval_interval=3",
+    "eval_steps=2",
     "enable_tensorboard=false",
     "enable_progress_bar=false",
 ]
@@ -29,10 +30,10 @@ def _env() -> dict:
     return env
 
 
-def _losses(out_dir: Path, run: str) -> dict[int, float]:
-    """step -> loss from a run's metrics.jsonl (log_period=1)."""
+def _losses(out_dir: Path, run: str, key: str = "loss") -> dict[int, float]:
+    """step -> loss (or another metric) from a run's metrics.jsonl (log_period=1)."""
     lines = (out_dir / run / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r[key] for r in map(json.loads, lines) if key in r}
 
 
 @pytest.mark.slow
@@ -69,6 +70,9 @@ def test_two_process_training_equals_one_process(tmp_path):
     two, one = _losses(tmp_path, "two"), _losses(tmp_path, "one")
     assert len(one) == 3
     assert two == one  # bitwise: same programs, same order of float operations
+    # the forward-only eval pipeline: its sums live on process 1's group and are broadcast
+    assert _losses(tmp_path, "two", "eval_loss") == _losses(tmp_path, "one", "eval_loss")
+    assert list(_losses(tmp_path, "one", "eval_loss")) == [3]
 
 
 def test_launch_usage_errors():

@@ -305,6 +305,50 @@ def test_tied_embedding_across_stages(tmp_path):
     )
 
 
+def test_pipelined_state_stays_on_its_stage_group(tmp_path):
+    """pipeline_parallelism=4, one layer per stage: after a step every parameter and Adam moment
+    lives only on its stage's group (the optimizer update runs there), so no group holds the
+    whole model; only the scalar step counters are on every group."""
+    config, trainer = build(tmp_path, "pipeline_parallelism=4", "num_pipeline_microbatches=4")
+    state = trainer.init_state()
+    for batch in make_batches(config, 2):
+        state, _ = trainer.train_step(state, trainer.put_batch(batch))
+    home = {"token_embedding": (0,), "decoder_norm": (3,), "logits_kernel": (3,)}
+    home.update({f"layers_{k}": (k,) for k in range(4)})
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim == 0:  # step, Adam's count
+            assert leaf.mpmd_idxs == (0, 1, 2, 3), name
+            continue
+        owner = next(v for k, v in home.items() if f"['{k}']" in name)
+        assert leaf.mpmd_idxs == owner, name
+
+
+def test_pipelined_eval_keeps_stages_on_their_groups(one_device_trainer, tmp_path):
+    """pipeline_parallelism=2 evaluates as a forward-only pipeline: each param leaf is read by the
+    groups the train step left it on (no copy to one device), and the sums equal one device's.
+
+    Bounds: token counts exact; loss sums 1e-6 relative (the pipeline adds 4 microbatch sums,
+    one device sums the whole batch at once)."""
+    config, trainer = build(tmp_path, "pipeline_parallelism=2", "num_pipeline_microbatches=4")
+    state = trainer.init_state()
+    state, _ = trainer.train_step(state, trainer.put_batch(make_batches(config, 1)[0]))
+    params = state["params"]
+    compiled = trainer.eval_step.compiled
+    leaves = jax.tree.leaves(params)
+    for j, leaf in enumerate(leaves):  # the params are the first leaves of (params, batch)
+        assert set(compiled.program.inputs[j]) == set(leaf.mpmd_idxs), j
+    assert {r for j in range(len(leaves)) for r in compiled.program.inputs[j]} == {0, 1}
+
+    reference = one_device_trainer[1]
+    host_params = jax.tree.map(np.asarray, params)
+    for batch in make_batches(config, 2, seed=1):
+        got = trainer.eval_step(params, trainer.put_batch(batch))
+        want = reference.eval_step(host_params, reference.put_batch(batch))
+        assert float(got["tokens"]) == float(want["tokens"])
+        np.testing.assert_allclose(float(got["loss_sum"]), float(want["loss_sum"]), rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_pipeline_with_fsdp_inside_stages(unpipelined_m4, tmp_path):
     """pipeline_parallelism=2 x ici_fsdp_parallelism=2: sharded reductions, SPMD's bounds."""
