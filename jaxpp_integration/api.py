@@ -260,6 +260,11 @@ class MpmdFunction:
         self._compiled = _compile(self, args)
         return self._compiled
 
+    @property
+    def compiled(self) -> CompiledMpmdFunction | None:
+        """What the last `.compile()` or first call compiled (None before that)."""
+        return self._compiled
+
     def __call__(self, *args):
         leaves, tree = jax.tree.flatten(args)
         c = self._compiled

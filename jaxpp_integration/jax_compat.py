@@ -34,3 +34,28 @@ def wait_at_barrier(name: str, timeout_s: float) -> None:
     if client is None:
         return
     client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
+
+
+def same_shard_layout(src, dst, shape) -> bool:
+    """Whether `dst` cuts an array of `shape` into the same blocks, in the same device order, as
+    `src` (the same spec on another group's devices): then a copy moves shard i to device i."""
+    a = list(src.addressable_devices_indices_map(shape).values())
+    b = list(dst.addressable_devices_indices_map(shape).values())
+    return a == b and len(src.addressable_devices) == len(src.device_set)
+
+
+def copy_shards(arrays: list, shardings: list) -> list:
+    """Copies each array shard by shard to the devices of `shardings[i]` (which must satisfy
+    `same_shard_layout`), all in one runtime call. This is the copy `jax.device_put` ends in,
+    without its per-call argument handling: about 5 us per array instead of 50 on this CPU."""
+    import jax
+
+    try:
+        from jax._src.lib import xla_client as xc
+
+        copy = xc.batched_copy_array_to_devices_with_sharding
+        reuse = xc.ArrayCopySemantics.REUSE_INPUT
+        devices = [s._internal_device_list.addressable_device_list for s in shardings]
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX version
+        return jax.device_put(arrays, shardings)
+    return copy(list(arrays), devices, list(shardings), [reuse] * len(arrays))

@@ -1,8 +1,10 @@
 """The single-host runtime: walks a compiled `Program` and dispatches it asynchronously.
 
 One Python thread issues every instruction in program order; JAX's asynchronous dispatch lets
-groups run concurrently (a task waits only on its inputs). Transfers are `jax.device_put` to the
-target group's sharding; deletes free buffers deterministically.
+groups run concurrently (a task waits only on its inputs). Transfers copy each shard to the
+target group's matching device (runs of consecutive transfers in one runtime call,
+`jax_compat.copy_shards`; `jax.device_put` when the layouts differ); deletes free buffers
+deterministically.
 
 It also keeps the books: logical bytes alive per group after every instruction (and the part of
 them that are forward activations), and, when asked, measured per-task start/end times.
@@ -16,6 +18,7 @@ import time
 import jax
 import numpy as np
 
+from jaxpp_integration.jax_compat import copy_shards, same_shard_layout
 from jaxpp_integration.program import Delete, Fill, Program, Run, Transfer
 from jaxpp_integration.transfer import cross_process_transfer
 
@@ -86,10 +89,11 @@ def execute(
             src_here, dst_here = ins.src_rank in local_ranks, ins.dst_rank in local_ranks
             if src_here and dst_here:
                 batch = prog.transfer_batches.get(idx)
-                if batch is not None:  # one device_put for a run of local transfers
-                    moved = jax.device_put(
-                        [regs[t.src] for t in batch], [slot_sharding[t.dst] for t in batch]
-                    )
+                if batch is not None:  # one call for a run of local transfers
+                    srcs = [regs[t.src] for t in batch]
+                    dsts = [slot_sharding[t.dst] for t in batch]
+                    fast = prog.transfer_fast[idx]
+                    moved = copy_shards(srcs, dsts) if fast else jax.device_put(srcs, dsts)
                     for t, v in zip(batch, moved):
                         regs[t.dst] = v
             elif src_here or dst_here:
@@ -129,7 +133,7 @@ def execute(
 
 def prepare(prog: Program, slot_sharding, local_ranks) -> None:
     """Puts the program's constants on this process's groups once, sizes every slot, and groups
-    runs of consecutive local transfers so each run is one `device_put` call."""
+    runs of consecutive local transfers so each run is one copy call."""
     prog.slot_bytes = [_nbytes(a) for a in prog.slot_aval]
     prog.transfer_batches = {}
     start = None
@@ -146,6 +150,15 @@ def prepare(prog: Program, slot_sharding, local_ranks) -> None:
             prog.transfer_batches[start].append(ins)
         else:
             start = None
+    prog.transfer_fast = {
+        start: all(
+            same_shard_layout(
+                slot_sharding[t.src], slot_sharding[t.dst], prog.slot_aval[t.src].shape
+            )
+            for t in batch
+        )
+        for start, batch in prog.transfer_batches.items()
+    }
     prog.constants_on_device = {
         s: jax.device_put(v, slot_sharding[s])
         for s, v in prog.constants.items()
