@@ -334,7 +334,9 @@ def test_pipelined_eval_keeps_stages_on_their_groups(one_device_trainer, tmp_pat
     state = trainer.init_state()
     state, _ = trainer.train_step(state, trainer.put_batch(make_batches(config, 1)[0]))
     params = state["params"]
-    compiled = trainer.eval_step.compiled
+    assert trainer.eval_step.pipelined.compiled is None  # compiled at the first evaluation
+    trainer.eval_step(params, trainer.put_batch(make_batches(config, 1)[0]))
+    compiled = trainer.eval_step.pipelined.compiled
     leaves = jax.tree.leaves(params)
     for j, leaf in enumerate(leaves):  # the params are the first leaves of (params, batch)
         assert set(compiled.program.inputs[j]) == set(leaf.mpmd_idxs), j
