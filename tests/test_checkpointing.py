@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from small_model import SMALL_MODEL
 
 from MaxText import checkpointing, devices, sharding
 from MaxText.config import CONFIGS_DIR, load_config
@@ -35,24 +36,10 @@ from MaxText.train_step import build_trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
-# adam_eps=1e-3 as in tests/test_train.py: with 1e-8 Adam turns float32 summation-order noise of
-# near-zero gradients into full-size updates, which would blur the cross-layout comparisons.
 COMMON = [
+    *SMALL_MODEL,
     "dataset_type=synthetic",
-    "emb_dim=32",
-    "num_query_heads=4",
-    "num_kv_heads=2",
-    "head_dim=8",
-    "mlp_dim=64",
-    "num_decoder_layers=4",
-    "vocab_size=64",
-    "max_target_length=16",
-    "max_prefill_predict_length=4",
-    "max_predict_length=16",
-    "global_batch_size=8",
     "num_pipeline_microbatches=4",
-    "learning_rate=1e-2",
-    "adam_eps=1e-3",
     "learning_rate_schedule_steps=20",
     "log_period=1",
     "eval_interval=0",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_model import SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = [
@@ -86,22 +87,12 @@ def test_launch_usage_errors():
     assert out.returncode == 2 and "usage" in out.stdout
 
 
-# The small model of tests/test_checkpointing.py: 4 layers, 20-step schedule, checkpoints every 5.
+# tests/test_checkpointing.py's run: the small model, 20-step schedule, checkpoints every 5.
 SMALL = [
     "configs/base.yml",
+    *SMALL_MODEL,
     "dataset_type=synthetic",
-    "emb_dim=32",
-    "num_query_heads=4",
-    "num_kv_heads=2",
-    "head_dim=8",
-    "mlp_dim=64",
-    "num_decoder_layers=4",
-    "vocab_size=64",
-    "max_target_length=16",
-    "global_batch_size=8",
     "num_pipeline_microbatches=4",
-    "learning_rate=1e-2",
-    "adam_eps=1e-3",
     "learning_rate_schedule_steps=20",
     "steps=10",
     "log_period=1",

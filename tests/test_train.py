@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from small_model import SMALL_MODEL
 
 from MaxText import devices, sharding
 from MaxText.config import CONFIGS_DIR, load_config
@@ -24,26 +25,9 @@ from MaxText.train_step import build_trainer, split_microbatches, state_specs
 
 REPO = Path(__file__).resolve().parent.parent
 
-# 4 layers so that pipeline_parallelism=4 has one layer per stage. Equal global batch everywhere.
-# adam_eps=1e-3: Adam divides each gradient by its own running magnitude, so for entries whose
-# gradient is at rounding-noise level (~1e-9) it turns float32 summation-order noise into full-size
-# updates; eps=1e-8 then shows 3e-5 relative parameter differences that come from Adam, not from the
-# layout. A larger eps damps that, so the comparison measures the layout.
 SMALL = [
-    "emb_dim=32",
-    "num_query_heads=4",
-    "num_kv_heads=2",
-    "head_dim=8",
-    "mlp_dim=64",
-    "num_decoder_layers=4",
-    "vocab_size=64",
-    "max_target_length=16",
-    "max_prefill_predict_length=4",
-    "max_predict_length=16",
-    "global_batch_size=8",
+    *SMALL_MODEL,
     "warmup_steps_fraction=0",
-    "learning_rate=1e-2",
-    "adam_eps=1e-3",
     "steps=3",
     "enable_progress_bar=false",
     "enable_tensorboard=false",

@@ -1,0 +1,26 @@
+"""The small model the trainer tests share (`SMALL_MODEL`, config overrides).
+
+4 llama layers so that pipeline_parallelism=4 has one layer per stage; width 32, 64-token
+vocabulary, 16-token sequences, global batch 8 everywhere.
+
+adam_eps=1e-3: Adam divides each gradient by its own running magnitude, so for entries whose
+gradient is at rounding-noise level (~1e-9) it turns float32 summation-order noise into full-size
+updates; eps=1e-8 then shows 3e-5 relative parameter differences that come from Adam, not from the
+layout. A larger eps damps that, so cross-layout comparisons measure the layout.
+"""
+
+SMALL_MODEL = [
+    "emb_dim=32",
+    "num_query_heads=4",
+    "num_kv_heads=2",
+    "head_dim=8",
+    "mlp_dim=64",
+    "num_decoder_layers=4",
+    "vocab_size=64",
+    "max_target_length=16",
+    "max_prefill_predict_length=4",
+    "max_predict_length=16",
+    "global_batch_size=8",
+    "learning_rate=1e-2",
+    "adam_eps=1e-3",
+]
