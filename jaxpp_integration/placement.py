@@ -62,7 +62,7 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
         placed[v] = frozenset([r])
     eqn_ranks: dict = {}
     free_after = []
-    light: dict = {}  # id(light eqn) -> eqn; its outputs are in light_vars
+    light: set = set()  # ids of light eqns; their outputs are in light_vars
     light_vars: set = set()
     for eqn in after:
         if eqn.primitive is treduce_p:
@@ -76,7 +76,7 @@ def place(jaxpr, loop_out_ranks: list[int], loop_in_need: dict, mpmd_dim: int) -
             ranks = _meet([placed[v] for v in heavy])
         else:  # final ranks are set below, from where the result is read
             ranks = _meet([placed[v] for v in ins])
-            light[id(eqn)] = eqn
+            light.add(id(eqn))
             light_vars.update(eqn.outvars)
         eqn_ranks[id(eqn)] = ranks
         for o in eqn.outvars:

@@ -25,12 +25,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpp_integration.array import MpmdArray
 from jaxpp_integration.jax_compat import shard_map
 from jaxpp_integration.mesh import MpmdMesh
+from jaxpp_integration.transfer import stack_rows
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -109,18 +109,8 @@ def _input_specs(layouts, axis):
 def _stacked(x: MpmdArray, source: int, spec: PartitionSpec) -> jax.Array:
     """`x` as row `source` of a (G, *shape) global array; other local groups hold zeros."""
     mesh = x.mpmd_mesh
-    shape = (mesh.mpmd_dim, *x.shape)
     sharding = NamedSharding(mesh.jax_mesh, PartitionSpec(mesh.mpmd_axis_name, *spec))
-    held = x.arrays.get(source)
-    local = {s.device: s.data for s in held.addressable_shards} if held is not None else {}
-    shards = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        if device in local:
-            shards.append(local[device][None])
-        else:
-            block = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
-            shards.append(jax.device_put(np.zeros(block, x.dtype), device))
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return stack_rows((mesh.mpmd_dim, *x.shape), sharding, x.arrays.get(source), x.dtype)
 
 
 def mpmd_to_spmd_reshard(tree):
