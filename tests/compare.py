@@ -75,8 +75,8 @@ def ulps(ref, got) -> int:
     yi = y.view(ints).astype(np.int64)
     # map sign-magnitude to a monotone integer line
     big = np.int64(1) << (8 * x.dtype.itemsize - 1)
-    xi = np.where(xi < 0, big - xi, xi)
-    yi = np.where(yi < 0, big - yi, yi)
+    xi = np.where(xi < 0, -(xi & (big - 1)), xi)
+    yi = np.where(yi < 0, -(yi & (big - 1)), yi)
     return int(np.max(np.abs(xi - yi))) if x.size else 0
 
 
