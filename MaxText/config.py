@@ -135,6 +135,12 @@ class Config:
     decode_sampling_strategy: str
     decode_sampling_temperature: float
     decode_sampling_top_k: int
+    # attention kernel and profiler (MaxText's keys; validated in _validate_attention_and_profiler)
+    attention: str
+    attention_block_size: int
+    profiler: str
+    profiler_steps: int
+    skip_first_n_steps_for_profiler: int
 
     # ---- derived at load (not keys; never set them in YAML or on the command line)
     num_devices: int = _derived(1)  # data x fsdp x tensor x pipeline
@@ -368,6 +374,38 @@ def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) 
     values[fill[0]] = available_devices // product
 
 
+# ------------------------------------------------------- attention kernel and profiler keys
+
+ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
+PROFILERS = ("", "xplane")
+
+
+def _validate_attention_and_profiler(v: dict[str, Any]) -> None:
+    """`attention`, `attention_block_size`, `profiler`, `profiler_steps`,
+    `skip_first_n_steps_for_profiler` (whether cudnn_flash has a GPU: `devices.setup`)."""
+    if v["attention"] not in ATTENTION_KERNELS:
+        match = difflib.get_close_matches(v["attention"], ATTENTION_KERNELS, n=1, cutoff=0.5)
+        hint = f"; did you mean '{match[0]}'?" if match else ""
+        raise ConfigError(
+            f"attention={v['attention']} is not one of {' | '.join(ATTENTION_KERNELS)}{hint}"
+        )
+    if v["attention_block_size"] < 1:
+        raise ConfigError(f"attention_block_size={v['attention_block_size']}: must be >= 1")
+    if v["profiler"] == "nsys":
+        raise ConfigError(
+            "profiler=nsys is not supported here: run train.py under `nsys profile` yourself, "
+            "or use profiler=xplane"
+        )
+    if v["profiler"] not in PROFILERS:
+        raise ConfigError(f"profiler={v['profiler']} is not one of '' (off) | xplane")
+    if v["profiler_steps"] < 1:
+        raise ConfigError(f"profiler_steps={v['profiler_steps']}: must be >= 1")
+    if v["skip_first_n_steps_for_profiler"] < 0:
+        raise ConfigError(
+            f"skip_first_n_steps_for_profiler={v['skip_first_n_steps_for_profiler']}: must be >= 0"
+        )
+
+
 def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
     v = values
     for key, choices in CHOICES.items():
@@ -550,4 +588,6 @@ def load_config(argv: Sequence[str]) -> Config:
         key: _coerce(key, value, _field_type(key_fields()[key]), source)
         for key, (value, source) in values.items()
     }
-    return Config(**_validate_and_derive(typed, config_path))
+    derived = _validate_and_derive(typed, config_path)
+    _validate_attention_and_profiler(derived)
+    return Config(**derived)

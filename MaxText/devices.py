@@ -72,6 +72,11 @@ def setup(config: Config) -> list[jax.Device]:
     _distributed_initialize(config.coordinator_address, config.num_processes, config.process_id)
     devices = jax.devices()
     platform = devices[0].platform
+    if config.attention == "cudnn_flash" and platform != "gpu":
+        raise ConfigError(
+            f"attention=cudnn_flash needs a GPU (cuDNN) but this host runs on {platform.upper()}; "
+            f"use attention=autoselected, dot_product or chunked"
+        )
     if platform == "cpu":
         if len(devices) < needed:
             raise ConfigError(

@@ -134,7 +134,8 @@ class Attention(nn.Module):
             q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, c.rope_max_timescale)
             k_BxLxKxD = apply_rope(k_BxLxKxD, positions_BxL, c.rope_max_timescale)
 
-        ctx_BxLxHxD = attention.dot_product(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
+        kernel = attention.kernel_for(c.attention, c.attention_block_size)
+        ctx_BxLxHxD = kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
         ctx_BxLxHxD = checkpoint_name(ctx_BxLxHxD, "context")
 
         out_kernel = _param(

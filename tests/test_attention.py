@@ -14,6 +14,7 @@ from compare import assert_bitwise, assert_close_per_leaf
 from MaxText import attention
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder
+from MaxText.train_step import CPU_INIT_COMPILER_OPTIONS
 
 SMALL = [
     "emb_dim=32",
@@ -35,8 +36,9 @@ def small_config(*overrides: str):
 @functools.cache
 def _model_and_params(config):
     model = Decoder(config)
-    x = jnp.zeros((1, config.max_target_length), jnp.int32)
-    return model, nn.unbox(jax.jit(model.init)(jax.random.key(1), x)["params"])
+    args = (jax.random.key(1), jnp.zeros((1, config.max_target_length), jnp.int32))
+    init = jax.jit(model.init).lower(*args).compile(compiler_options=CPU_INIT_COMPILER_OPTIONS)
+    return model, nn.unbox(init(*args)["params"])
 
 
 def test_mask_by_hand():
@@ -102,3 +104,106 @@ def test_one_segment_is_the_causal_mask_bitwise():
         apply({"params": params}, tokens),
         apply({"params": params}, tokens, None, np.ones_like(tokens)),
     )
+
+
+# ------------------------------------------------------------------------------ kernels
+
+
+def _qkv_and_segments(b=2, length=13, h=4, k=2, d=8):
+    rng = np.random.default_rng(0)
+    q, key, v = (jnp.asarray(rng.normal(size=(b, length, n, d)), jnp.float32) for n in (h, k, k))
+    segments = jnp.asarray([[1] * 5 + [2] * 6 + [0] * 2, [3] * length])
+    return q, key, v, segments
+
+
+KERNEL_CASES = {
+    "autoselected": ("autoselected", 512),
+    "chunked-block4": ("chunked", 4),  # 13 keys: blocks of 4, the last one padded
+    "chunked-block16": ("chunked", 16),  # one block larger than the sequence
+}
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["causal", "segments"])
+@pytest.mark.parametrize("name,block", KERNEL_CASES.values(), ids=KERNEL_CASES.keys())
+def test_kernel_equals_dot_product_forward_and_gradients(name, block, segmented):
+    """Every kernel against the einsum reference (GQA: 4 query heads on 2 kv heads), output and
+    the gradients of q, k, v. Not bitwise: other summation orders (online softmax, XLA's
+    attention); within 1e-5 of each leaf's scale."""
+    q, k, v, segments = _qkv_and_segments()
+    segments = segments if segmented else None
+    kernel = attention.kernel_for(name, block)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, segments)))
+
+    ref = jax.jit(attention.dot_product)(q, k, v, segments)
+    got = jax.jit(kernel)(q, k, v, segments)
+    assert_close_per_leaf(ref, got, rtol=1e-5)
+    ref_grads = jax.jit(jax.grad(loss(attention.dot_product), argnums=(0, 1, 2)))(q, k, v)
+    got_grads = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
+    assert_close_per_leaf(ref_grads, got_grads, rtol=1e-5)
+
+
+def _grad_temp_bytes(name: str, length: int) -> int:
+    kernel = attention.kernel_for(name, 64)
+    grad = jax.grad(lambda q, k, v: jnp.sum(kernel(q, k, v) ** 2), argnums=(0, 1, 2))
+    q = jax.ShapeDtypeStruct((1, length, 4, 32), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, 2, 32), jnp.float32)
+    return jax.jit(grad).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_memory_grows_linearly():
+    """XLA's temporary memory for forward + backward: the [L, L] scores of dot_product (4 heads x
+    L^2 float32 = 16 MiB at L = 1024, more for probabilities and their gradient) against blocks of
+    64 keys. Doubling L quadruples dot_product's and at most doubles chunked's (plus slack)."""
+    dot = [_grad_temp_bytes("dot_product", n) for n in (512, 1024)]
+    chunk = [_grad_temp_bytes("chunked", n) for n in (512, 1024)]
+    assert dot[1] >= 4 * 1024 * 1024 * 4  # at least one [H, L, L] float32 array
+    assert dot[1] > 3.5 * dot[0]
+    assert chunk[1] < 2.2 * chunk[0]
+    assert chunk[1] < dot[1] / 4
+
+
+def test_model_with_chunked_attention_equals_dot_product():
+    """The kernel is wired into the decoder: attention=chunked (blocks of 4 over 16 tokens)
+    gives dot_product's logits and parameter gradients on a packed batch, within 1e-5 per leaf
+    (online softmax sums in another order)."""
+    ref_config = small_config()
+    model, params = _model_and_params(ref_config)
+    chunked_model = Decoder(small_config("attention=chunked", "attention_block_size=4"))
+    rng = np.random.default_rng(5)
+    length = ref_config.max_target_length
+    tokens = rng.integers(0, ref_config.vocab_size, (2, length))
+    segments = np.repeat([1, 2], length // 2)[None].repeat(2, 0)
+    positions = np.tile(np.arange(length // 2), 2)[None].repeat(2, 0)
+
+    def loss(m):
+        def f(p):
+            logits = m.apply({"params": p}, tokens, positions, segments)
+            return jnp.sum(jax.nn.log_softmax(logits)[..., 0])
+
+        return jax.jit(jax.value_and_grad(f))
+
+    assert_close_per_leaf(loss(model)(params), loss(chunked_model)(params), rtol=1e-5)
+
+
+def test_cudnn_flash_needs_a_gpu(capsys):
+    """On this CPU host attention=cudnn_flash is a config error: exit code 2 and one line."""
+    from MaxText.train import main
+
+    code = main([str(CONFIGS_DIR / "base.yml"), *SMALL, "attention=cudnn_flash", "steps=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [
+        "config error: attention=cudnn_flash needs a GPU (cuDNN) but this host runs on CPU; "
+        "use attention=autoselected, dot_product or chunked"
+    ]
+
+
+def test_attention_keys_validated():
+    from MaxText.config import ConfigError
+
+    with pytest.raises(ConfigError, match="attention=flash is not one of dot_product"):
+        small_config("attention=flash")
+    with pytest.raises(ConfigError, match="attention_block_size=0: must be >= 1"):
+        small_config("attention_block_size=0")
