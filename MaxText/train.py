@@ -26,11 +26,12 @@ import jax
 import numpy as np
 
 import jaxpp_integration as jaxpp
-from MaxText import devices, flops, sharding
+from MaxText import devices, flops, memory, sharding
 from MaxText.checkpointing import Checkpoints
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.metrics import MetricsLogger
 from MaxText.model import count_params
+from MaxText.profiling import Profiler
 from MaxText.train_step import Trainer, build_trainer, evaluate
 
 log = logging.getLogger("MaxText")
@@ -82,6 +83,8 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         )
         + f"; step compiled in {trainer.compile_seconds:.1f} s"
     )
+    local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
+    memory.log_memory(logger.info, trainer.train_step, local)
     if start >= config.steps:
         logger.info(f"run {config.run_name} is already at step {start} >= steps={config.steps}")
         logger.close()
@@ -93,6 +96,7 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     last: dict[str, Any] = {}
     pending: tuple[int, dict[str, Any]] | None = None
     t_done = time.perf_counter()
+    profiler = Profiler(config, start, logger.info)
 
     def finish(step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
         nonlocal t_done, last
@@ -135,7 +139,8 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     try:
         for step in range(start + 1, config.steps + 1):
             batch = trainer.put_batch(next(train_iter))
-            state, metrics = trainer.train_step(state, batch)
+            state, metrics = trainer.train_step(state, batch, **profiler.step_kwargs(step))
+            profiler.after_step(step, (state, metrics), trainer.train_step)
             if pending is not None:
                 finish(*pending, evaluate_now=False)
                 pending = None
@@ -153,6 +158,7 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         if pending is not None:
             finish(*pending, evaluate_now=False)
     finally:
+        profiler.close()
         logger.close()
         checkpoints.close()  # waits for an async save still being written
     return last
