@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,12 @@ class Profiler:
         self.trace_dir = config.tensorboard_dir  # jax.profiler adds plugins/profile/<timestamp>
         self.timeline_path = ""
         self._tracing = False
+        if config.profiler and not self.enabled:
+            info(
+                f"profiler: nothing to trace: the run ends at step {config.steps}, before "
+                f"step {self.first} (skip_first_n_steps_for_profiler="
+                f"{config.skip_first_n_steps_for_profiler})"
+            )
 
     def step_kwargs(self, step: int) -> dict[str, Any]:
         """Keyword arguments for this step's call (the engine's task timing on the timeline step);
@@ -57,11 +64,14 @@ class Profiler:
             return {"record_times": True}
         return {}
 
-    def after_step(self, step: int, outputs: Any, train_step: Any = None) -> None:
-        """Stops the trace once the last traced step has finished; draws the timeline."""
+    def after_step(self, step: int, outputs: Any, train_step: Any = None) -> float:
+        """Stops the trace once the last traced step has finished and draws the timeline; returns
+        the seconds spent after the outputs were ready (0.0 on other steps), which the loop does
+        not charge to the step."""
         if not self.enabled or step != self.last:
-            return
+            return 0.0
         jax.block_until_ready(outputs)
+        t_ready = time.perf_counter()
         self._stop()
         self.info(
             f"profiler: traced steps {self.first}-{self.last} to "
@@ -69,6 +79,7 @@ class Profiler:
         )
         if self.config.is_pipelined and train_step is not None:
             self.timeline_path = write_pipeline_timeline(train_step, step, self.config, self.info)
+        return time.perf_counter() - t_ready
 
     def close(self) -> None:
         """Stops a trace still running (the loop ended early or raised)."""

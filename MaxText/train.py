@@ -140,10 +140,11 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         for step in range(start + 1, config.steps + 1):
             batch = trainer.put_batch(next(train_iter))
             state, metrics = trainer.train_step(state, batch, **profiler.step_kwargs(step))
-            profiler.after_step(step, (state, metrics), trainer.train_step)
             if pending is not None:
                 finish(*pending, evaluate_now=False)
                 pending = None
+            # stopping the trace (and drawing the timeline) is not charged to this step
+            t_done += profiler.after_step(step, (state, metrics), trainer.train_step)
             evaluate_now = config.eval_interval > 0 and (
                 step % config.eval_interval == 0 or step == config.steps
             )
