@@ -161,3 +161,28 @@ def test_pipelined_profile_writes_timeline_and_group_memory(tmp_path, capsys):
     for g in groups:
         held = sum(x.nbytes for x in jax.tree.leaves(state) if g.group in x.mpmd_idxs)
         assert sum(mem.output for _, mem in g.tasks) >= held > 0
+
+
+def test_traced_steps_follow_maxtext_numbering():
+    """Steps S+K+1 ... S+K+N after a start at step S (a resumed run counts from its step),
+    clipped to `steps`; a run that ends first says so and traces nothing."""
+    from MaxText.profiling import Profiler
+
+    def profiler(start, *overrides):
+        lines = []
+        config = load_config([str(CONFIGS_DIR / "base.yml"), "profiler=xplane", *overrides])
+        p = Profiler(config, start, lines.append)
+        return (p.enabled, p.first, p.last), lines
+
+    keys = ("steps=20", "skip_first_n_steps_for_profiler=3", "profiler_steps=5")
+    assert profiler(0, *keys) == ((True, 4, 8), [])
+    assert profiler(10, *keys) == ((True, 14, 18), [])
+    assert profiler(14, *keys) == ((True, 18, 20), [])
+    (enabled, _, _), lines = profiler(17, *keys)
+    assert not enabled
+    assert lines == [
+        "profiler: nothing to trace: the run ends at step 20, before step 21 "
+        "(skip_first_n_steps_for_profiler=3)"
+    ]
+    off = load_config([str(CONFIGS_DIR / "base.yml")])
+    assert Profiler(off, 0).step_kwargs(1) == {} and Profiler(off, 0).after_step(1, None) == 0.0
