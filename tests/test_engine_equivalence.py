@@ -75,22 +75,6 @@ def test_tied_mlp_with_clipping_is_bitwise(name, groups, n_mb):
     assert compiled.program.inputs  # and the program is non-trivial
 
 
-@pytest.mark.parametrize(
-    "schedule", [jaxpp.ZeroBubble(4), jaxpp.DualPipeV(2)], ids=["zero_bubble", "dualpipev"]
-)
-def test_split_backward_schedules_are_bitwise(schedule):
-    """bwd split into bwdI/bwdW (ZeroBubble) and the V-shaped DualPipeV placement."""
-    params, batch, loss_fn = tied_mlp_setup(schedule.num_stages, 4)
-    opt = clipping_sgd()
-    step = make_step(loss_fn, opt, schedule)
-    ref, got, losses, compiled = run_both(
-        step, params, opt.init(params), batch, mpmd_mesh(schedule.mpmd_dim)
-    )
-    assert_trees_bitwise(ref, got)
-    if schedule.split_backward:
-        assert "task_name=bwdW_" in str(compiled.closed_jaxpr)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "num_layers,schedule",
