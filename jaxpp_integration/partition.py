@@ -1,15 +1,20 @@
 """Pass: cluster the `treduce` loop body into per-stage tasks (`fwd_s`, `bwd_s`, `bwdI_s`/`bwdW_s`).
 
 Takes the body jaxpr (invars = loop constants, then microbatch leaves) with stage markers in it.
-Cuts it at the markers: forward cluster s ends at fwd marker s; everything between the last fwd
-marker and the first bwd marker (the loss and the start of its gradient) joins the last stage's
-forward; after bwd marker s comes `bwd_s`. Both seed conventions work: k = n-1 markers (only
-between stages) or k = n (also after the last stage). Markers themselves become aliases, so
-identical stages yield identical task jaxprs.
+Cuts it at the markers: forward cluster s ends at fwd marker s; after bwd marker s comes `bwd_s`.
+Between the last fwd marker and the first bwd marker lie the loss and the start of its gradient
+(and, with markers only between stages, the last stage's whole backward): the loss joins the
+last stage's forward, and from JAX's cotangent seed on everything joins the last stage's backward,
+so `bwd_{n-1}` is a real task like every other `bwd_s`. Both seed conventions work: k = n-1
+markers (only between stages) or k = n (also after the last stage). Markers themselves become
+aliases, so identical stages yield identical task jaxprs. For zero-bubble schedules each `bwd_s`
+is split into `bwdI_s` (the cotangent chain: what earlier stages need, and the inputs of the
+weight-gradient operations) and `bwdW_s` (those operations), every stage included.
 
 Guarantees: every equation lands in exactly one task; a task only reads values of earlier tasks
-in the order fwd_0 < … < fwd_{n-1} < bwd_{n-1} < … < bwd_0, which every valid schedule honours
-for one microbatch; each body output is owned (accumulated) by exactly one task.
+in the order fwd_0 < … < fwd_{n-1} < bwd_{n-1} < … < bwd_0 (with bwdI_s < bwdW_s; other
+tasks read only bwdI_s), which every valid schedule honours for one microbatch; each body
+output is owned (accumulated) by exactly one task.
 """
 
 from __future__ import annotations
@@ -148,9 +153,10 @@ def _move_loss_gradient_to_last_backward(clusters, num_stages: int, outvars) -> 
     between stages, the last stage's whole backward. The backward begins at the cotangent seed
     JAX's ``value_and_grad`` emits: the first equation after the loss (the earliest body output
     ``fwd_{n-1}`` computes) that reads no variable or reads the scalar literal 1, and on which a
-    value another backward reads depends (with one stage: a later body output). Everything from
-    there on follows the loss in program order, so nothing before it reads it. Without such a
-    seed (a step that does not return its loss) ``fwd_{n-1}`` is left whole.
+    value a backward task reads depends. Everything from there on follows the loss in program
+    order, so nothing before it reads it. Without such a seed (a forward-only loop, one stage
+    with markers only between stages, or a step that does not return its loss) ``fwd_{n-1}`` is
+    left whole.
     """
     last = num_stages - 1
     eqns = clusters[(last, Phase.FWD)]
@@ -166,11 +172,10 @@ def _move_loss_gradient_to_last_backward(clusters, num_stages: int, outvars) -> 
         for v in e.invars
         if isinstance(v, Var) and v in made_at
     }
+    if not handed:  # no backward reads this cluster: a forward-only loop, nothing to move
+        return
     for i in range(owned_at[0] + 1, len(eqns)):
-        if not _reads_only_literals_or_unit(eqns[i]):
-            continue
-        targets = handed or {v for v in outvars if isinstance(v, Var) and made_at.get(v, -1) > i}
-        if _reaches(eqns, i, targets):
+        if _reads_only_literals_or_unit(eqns[i]) and _reaches(eqns, i, handed):
             clusters[(last, Phase.BWD)] = eqns[i:] + clusters[(last, Phase.BWD)]
             clusters[(last, Phase.FWD)] = eqns[:i]
             return

@@ -313,6 +313,9 @@ class ZeroBubble(Schedule):
     ahead, so with F = B_I = B_W the bubble is (p-1)/(3m+p-1) (one third of 1F1B's idle time)
     for every m >= p. Every rank holds at most min(m, p) activations, the peak of 1F1B (its
     rank 0); later ranks hold more than their 1F1B counterparts, which is what buys the bubble.
+    The engine runs every stage's backward, the first and the last included, as these two tasks
+    (``partition.py``), so the last stage's weight gradients are deferred as ZB-H1 plans, not
+    run inside its forward.
     """
 
     mpmd_dim: int
