@@ -17,6 +17,7 @@ from compare import assert_bitwise, assert_on_group
 from engine_models import clipping_sgd, make_step, mpmd_mesh, run_both, tied_mlp_setup
 
 import jaxpp_integration as jaxpp
+from jaxpp_integration.measure import to_events
 from jaxpp_integration.program import Run
 from jaxpp_integration.schedules import Phase, Task, item_tasks
 from jaxpp_integration.simulate import simulate
@@ -52,17 +53,18 @@ def run_bitwise(schedule, n_mb):
     opt = clipping_sgd()
     step = make_step(loss_fn, opt, schedule)
     mesh = mpmd_mesh(schedule.mpmd_dim)
-    ref, got, losses, compiled = run_both(step, params, opt.init(params), batch, mesh)
+    args = (params, opt.init(params), batch)
+    ref, got, losses, compiled = run_both(step, *args, mesh)
     assert_bitwise(ref, got, "final (params, opt_state, loss, grads)")
     for step_i, (ref_loss, pp_loss) in enumerate(losses):
         assert_bitwise(ref_loss, pp_loss, f"loss of step {step_i}")
-    return got, compiled, mesh
+    return got, compiled, mesh, args
 
 
 @pytest.mark.parametrize("groups,n_mb", [(2, 4), (4, 4), (4, 8)])
 def test_zero_bubble_is_bitwise_and_splits_every_stage(groups, n_mb):
     schedule = jaxpp.ZeroBubble(groups)
-    _, compiled, _ = run_bitwise(schedule, n_mb)
+    _, compiled, _, args = run_bitwise(schedule, n_mb)
     codes = {
         (ins.code.stage, ins.code.phase): ins.code
         for ins in compiled.program.instrs
@@ -77,6 +79,14 @@ def test_zero_bubble_is_bitwise_and_splits_every_stage(groups, n_mb):
     for stage in range(groups):
         assert f"task_name=bwdI_{stage}" in names and f"task_name=bwdW_{stage}" in names
     assert_engine_runs_the_simulated_tasks(compiled, schedule, n_mb)
+    # ... and a measured step's timeline shows the same boxes per group as the simulated one
+    compiled(*args, record_times=True)
+    measured = to_events(compiled.last_events, loop_only=True)
+    simulated = simulate(schedule, n_mb).events
+    for group in range(groups):
+        assert [ev.name for ev in measured if ev.rank == group] == [
+            ev.name for ev in simulated if ev.rank == group
+        ]
 
 
 @pytest.mark.parametrize(
@@ -86,7 +96,7 @@ def test_zero_bubble_is_bitwise_and_splits_every_stage(groups, n_mb):
 )
 def test_dualpipev_is_bitwise_with_the_v_placement(groups, n_mb, fuse_overlap):
     schedule = jaxpp.DualPipeV(groups, fuse_overlap=fuse_overlap)
-    (params, opt_state, _, grads), compiled, mesh = run_bitwise(schedule, n_mb)
+    (params, opt_state, _, grads), compiled, mesh, _ = run_bitwise(schedule, n_mb)
     # layer i is stage i: stages s and 2p-1-s share group s (the V)
     v_group = [s if s < groups else 2 * groups - 1 - s for s in range(2 * groups)]
     for layer, group in enumerate(v_group):
@@ -120,5 +130,5 @@ def test_engine_runs_the_simulated_task_set(schedule):
     """The remaining built-in schedules (ZeroBubble and DualPipeV are checked above), bitwise:
     the program's task instances per group equal the simulator's, including the last stage's
     backward, which this model (markers only between stages) leaves to the loss-gradient cut."""
-    _, compiled, _ = run_bitwise(schedule, 4)
+    _, compiled, _, _ = run_bitwise(schedule, 4)
     assert_engine_runs_the_simulated_tasks(compiled, schedule, 4)
