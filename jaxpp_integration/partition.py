@@ -152,18 +152,18 @@ def _move_loss_gradient_to_last_backward(clusters, num_stages: int, outvars) -> 
     marker in ``fwd_{n-1}``: the loss and the start of its gradient, and, with markers only
     between stages, the last stage's whole backward. The backward begins at the cotangent seed
     JAX's ``value_and_grad`` emits: the first equation after the loss (the earliest body output
-    ``fwd_{n-1}`` computes) that reads no variable or reads the scalar literal 1, and on which a
-    value a backward task reads depends. Everything from there on follows the loss in program
-    order, so nothing before it reads it. Without such a seed (a forward-only loop, one stage
-    with markers only between stages, or a step that does not return its loss) ``fwd_{n-1}`` is
-    left whole.
+    ``fwd_{n-1}`` computes) that reads no variable or reads the float scalar literal 1, and on
+    which a value a backward task reads depends. Everything from there on follows the loss in
+    program order, so nothing before it reads it (any cut in program order is a valid split; this
+    one keeps the forward whole). A step that does not return its loss has no such equation
+    after its first output: the search then starts at the beginning of ``fwd_{n-1}``, which may
+    cut inside the last stage's forward. A forward-only loop (no backward reads
+    ``fwd_{n-1}``, e.g. evaluation) is left whole.
     """
     last = num_stages - 1
     eqns = clusters[(last, Phase.FWD)]
     made_at = {o: i for i, e in enumerate(eqns) for o in e.outvars}
     owned_at = sorted(made_at[v] for v in outvars if isinstance(v, Var) and v in made_at)
-    if not owned_at:
-        return
     handed = {
         v
         for (_, phase), others in clusters.items()
@@ -174,7 +174,8 @@ def _move_loss_gradient_to_last_backward(clusters, num_stages: int, outvars) -> 
     }
     if not handed:  # no backward reads this cluster: a forward-only loop, nothing to move
         return
-    for i in range(owned_at[0] + 1, len(eqns)):
+    after_loss = owned_at[0] + 1 if owned_at else 0
+    for i in [*range(after_loss, len(eqns)), *range(after_loss)]:
         if _reads_only_literals_or_unit(eqns[i]) and _reaches(eqns, i, handed):
             clusters[(last, Phase.BWD)] = eqns[i:] + clusters[(last, Phase.BWD)]
             clusters[(last, Phase.FWD)] = eqns[:i]
@@ -184,7 +185,13 @@ def _move_loss_gradient_to_last_backward(clusters, num_stages: int, outvars) -> 
 def _reads_only_literals_or_unit(eqn) -> bool:
     if not any(isinstance(v, Var) for v in eqn.invars):
         return True
-    return any(isinstance(v, Literal) and np.ndim(v.val) == 0 and v.val == 1 for v in eqn.invars)
+    return any(
+        isinstance(v, Literal)
+        and np.ndim(v.val) == 0
+        and np.issubdtype(np.asarray(v.val).dtype, np.floating)
+        and v.val == 1
+        for v in eqn.invars
+    )
 
 
 def _reaches(eqns, start: int, targets) -> bool:

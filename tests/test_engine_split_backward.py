@@ -132,3 +132,22 @@ def test_engine_runs_the_simulated_task_set(schedule):
     backward, which this model (markers only between stages) leaves to the loss-gradient cut."""
     _, compiled, _, _ = run_bitwise(schedule, 4)
     assert_engine_runs_the_simulated_tasks(compiled, schedule, 4)
+
+
+def test_a_step_that_returns_only_gradients_still_runs_every_task():
+    """No loss among the loop outputs: the last stage's cut falls inside its forward (still a
+    valid split, see partition.py), and the program keeps the simulator's task set, bitwise."""
+    schedule = jaxpp.ZeroBubble(2)
+    params, batch, loss_fn = tied_mlp_setup(2, 4)
+
+    def step(params, batch):
+        return jaxpp.treduce(
+            lambda mb: jax.grad(loss_fn)(params, mb), batch, schedule=schedule, operation=jaxpp.Add
+        )
+
+    compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2)).compile(params, batch)
+    assert_bitwise(jax.jit(step)(params, batch), compiled(params, batch), "gradients")
+    assert_engine_runs_the_simulated_tasks(compiled, schedule, 4)
+    for ins in compiled.program.instrs:
+        if isinstance(ins, Run) and ins.code.kind == "loop":
+            assert ins.code.eqns, f"{ins.name} is an empty program"
