@@ -105,7 +105,10 @@ def test_tied_mlp_with_clipping_is_bitwise(name, groups, n_mb):
     for tree in (pp, pg, po[1][0].trace):
         assert_on_group(tree["embed"], mesh, (0,))
     # activations and cotangents really cross groups, as many as the schedule implies
-    assert loop_transfers(compiled.program) == expected_loop_transfers(schedule, n_mb)
+    moved, implied = loop_transfers(compiled.program), expected_loop_transfers(schedule, n_mb)
+    assert moved == implied, (
+        f"transfers (from, to): {dict(moved)}, schedule implies {dict(implied)}"
+    )
 
 
 @pytest.mark.parametrize(
