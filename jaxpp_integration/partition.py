@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import Literal, Var
 
 from jaxpp_integration.jax_compat import source_line
-from jaxpp_integration.marker import is_marker
+from jaxpp_integration.marker import check_markers_top_level, is_marker
 from jaxpp_integration.schedules import Phase
 
 
@@ -56,6 +56,7 @@ class PartitionedBody:
 
 def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -> PartitionedBody:
     jaxpr = body.jaxpr
+    check_markers_top_level(jaxpr)
     for eqn in jaxpr.eqns:
         if eqn.effects:
             raise ValueError(
