@@ -188,7 +188,7 @@ class _Builder:
             if not eqns:
                 for j in accs:
                     self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
-                    init = np.asarray(self.ops[j].init(self.n_mb, body_out_avals[j]))
+                    init = self.ops[j].host_init(self.n_mb, body_out_avals[j])
                     self.instrs.append(Fill(self.acc_slot[j], r, init))
                 continue
             reads = _reads(eqns)
