@@ -179,7 +179,7 @@ def compile_program(
     stats = CompileStats()
     lock = threading.Lock()
     in_flight: dict = {}  # (program key, rank) -> Future of the executable
-    programs = cache  # program key -> (first rank, Future of its executable)
+    programs = cache  # program key -> [(rank, Future)] of the groups it was compiled for
     fn_cache: dict = {}
     pool = ThreadPoolExecutor(compile_threads) if compile_threads > 1 else None
 
@@ -220,34 +220,32 @@ def compile_program(
         key = (code_of(code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
         with lock:
             mine = in_flight.get((key, rank))
-            first = programs.get(key)
-            if mine is None and first is None:
-                mine = in_flight[(key, rank)] = programs[key] = (rank, Future())
-                todo = "compile"
-            elif mine is None:
-                mine = in_flight[(key, rank)] = (rank, Future())
-                todo = "load"
-            else:
-                todo = "wait"
+            waiting = mine is not None  # this group has it already (another microbatch)
+            if waiting:
                 stats.cache_hits += 1
+            else:
+                mine = in_flight[(key, rank)] = (rank, Future())
+                sources = list(programs.get(key, ()))  # compiles of it for other groups
+                if not sources:
+                    programs[key] = [mine]
         _, fut = mine
-        if todo == "wait":
+        if waiting:
             return fut.result()
         try:
-            if todo == "compile":
-                exe = compile_one(code, ins, in_sh)
-            else:
-                src_rank, src_fut = first
+            exe = None
+            for src_rank, src_fut in sources:  # load a compile made for another group
                 exe = load_compiled_on(
-                    src_fut.result(),
-                    mpmd_mesh.devices_of(src_rank),
-                    mpmd_mesh.devices_of(rank),
+                    src_fut.result(), mpmd_mesh.devices_of(src_rank), mpmd_mesh.devices_of(rank)
                 )
-                if exe is None:  # this JAX cannot move it: compile for this group
-                    exe = compile_one(code, ins, in_sh)
-                else:
+                if exe is not None:
                     with lock:
                         stats.loads += 1
+                    break
+            if exe is None:  # the first group to run it, or JAX cannot move it here
+                exe = compile_one(code, ins, in_sh)
+                if sources:
+                    with lock:
+                        programs[key].append(mine)
         except BaseException as e:
             fut.set_exception(e)
             raise

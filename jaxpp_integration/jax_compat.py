@@ -69,7 +69,8 @@ def load_compiled_on(compiled, src_devices, dst_devices):
     assignment and in every input/output sharding. The XLA executable is serialized and
     deserialized with the new device list (what JAX's own cross-host executable sharing does).
     Returns None where this JAX version or this executable does not allow it (host callbacks,
-    closed-over constants, shardings of an unknown kind): the caller then compiles."""
+    closed-over constants, shardings of an unknown kind, devices of another process): the caller
+    then compiles."""
     import dataclasses
 
     import jax
@@ -87,6 +88,9 @@ def load_compiled_on(compiled, src_devices, dst_devices):
         old_devices = list(unloaded.device_list)
     except (AttributeError, ImportError):  # pragma: no cover - another JAX version
         return None
+    me = jax.process_index()
+    if any(d.process_index != me for d in (*src_devices, *dst_devices)):
+        return None  # another process's devices: only compile there (multi-controller)
     move = dict(zip(src_devices, dst_devices, strict=True))
     if any(d not in move for d in old_devices):
         return None
