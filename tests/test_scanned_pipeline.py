@@ -15,11 +15,11 @@ import functools
 import jax
 import numpy as np
 import pytest
-from compare import assert_bitwise, assert_on_group
+from compare import assert_bitwise, assert_close_per_leaf, assert_on_group
 from small_model import SMALL_MODEL
 
 from MaxText import devices, sharding
-from MaxText.checkpoint_layout import canonical_tree
+from MaxText.checkpoint_layout import CanonicalLayout, canonical_tree, numpy_stack
 from MaxText.checkpointing import load_params
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder
@@ -128,19 +128,19 @@ LAYOUTS = {
     "gpipe": ("num_decoder_layers=5",),  # uneven: 3 + 2
     "1f1b": ("num_decoder_layers=5", "remat_policy=full"),  # remat inside the scan
     "zero_bubble": (),
-    "interleaved_1f1b": ("num_pipeline_repeats=2", "num_decoder_layers=6"),  # 1, 2, 2, 1
-    "dualpipev": ("num_pipeline_repeats=2",),
+    "interleaved_1f1b": ("num_pipeline_repeats=2", "num_decoder_layers=9"),  # 2, 3, 2, 2
+    "dualpipev": ("num_pipeline_repeats=2", "num_decoder_layers=9"),
 }
 
 
-def run_against_jit(tmp_path, schedule, steps=2):
+def run_against_jit(tmp_path, schedule, *overrides, steps=2, rtol=0.0):
     """Steps the pipelined scanned trainer and `jax.jit` of its step function side by side."""
     config, trainer = build(
         tmp_path,
         "scan_layers=true",
         "pipeline_parallelism=2",
         f"pipeline_schedule={schedule}",
-        *LAYOUTS[schedule],
+        *(overrides or LAYOUTS[schedule]),
     )
     reference = jax.jit(
         make_train_step(config, trainer.model, trainer.optimizer, trainer.lr_schedule)
@@ -150,8 +150,12 @@ def run_against_jit(tmp_path, schedule, steps=2):
     for batch in batches(config, steps):
         state, metrics = trainer.train_step(state, trainer.put_batch(batch))
         want_state, want_metrics = reference(want_state, batch)
-        assert_bitwise(host(want_metrics), host(metrics), f"{schedule} metrics ")
-        assert_bitwise(host(want_state), host(state), f"{schedule} state ")
+        if rtol == 0.0:
+            assert_bitwise(host(want_metrics), host(metrics), f"{schedule} metrics ")
+            assert_bitwise(host(want_state), host(state), f"{schedule} state ")
+        else:
+            assert_close_per_leaf(host(want_metrics), host(metrics), rtol, f"{schedule} metrics ")
+            assert_close_per_leaf(host(want_state), host(state), rtol, f"{schedule} state ")
     return config, trainer, state
 
 
@@ -179,9 +183,32 @@ def test_scanned_1f1b_uneven_stages_with_remat_is_bitwise(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble", "interleaved_1f1b", "dualpipev"])
 def test_scanned_pipeline_is_bitwise_for_every_schedule(tmp_path, schedule):
-    """Bitwise equal to `jax.jit` of the same step; each stage's stack on its group."""
+    """Bitwise equal to `jax.jit` of the same step (uneven and virtual stages of 2-3 layers);
+    each stage's stack on its group.
+
+    Why bitwise: a stage of two or more layers is a `while` loop whose body XLA compiles as a
+    computation of its own, the same in the stage's program as in `jax.jit`'s one program, and
+    the work between stages is the engine's usual bitwise case (tests/test_engine_equivalence.py).
+    """
     config, trainer, state = run_against_jit(tmp_path, schedule)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES[schedule])
+
+
+@pytest.mark.slow
+def test_one_layer_stages_agree_within_1e6(tmp_path):
+    """DualPipeV with one layer per stage (4 layers, 4 stages): within 1e-6 per leaf, not bitwise.
+
+    XLA's while-loop simplifier inlines a scan of one trip, so the layer's ops fuse with their
+    neighbours across the stage boundary as unrolled layers do, and the per-stage program orders
+    one reduction differently from `jax.jit`'s whole step: measured, the first RMSNorm's scale
+    gradient of stage 0 differs by 1-2 ulp (the cause tests/test_train.py names for unrolled
+    pipelines), which Adam carries into its moment; every other leaf stays within ~1e-7.
+    """
+    config, trainer, state = run_against_jit(
+        tmp_path, "dualpipev", "num_pipeline_repeats=2", rtol=1e-6
+    )
+    assert config.stage_layers == (1, 1, 1, 1)
+    assert_stage_weights_on_their_groups(config, trainer, state, HOMES["dualpipev"])
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -203,6 +230,42 @@ class _Iterator:
 class _Data:
     def __init__(self):
         self.train = _Iterator()
+
+
+def test_canonical_tree_names_every_layer_and_maps_back():
+    """Scanned, 5 layers on stages of 3 + 2: canonical `layers_3` is `layers_stage_1[0]` (in the
+    params and in both Adam moments), and the way back restores the stacked state exactly."""
+    config = config_of(
+        "/unused", "scan_layers=true", "pipeline_parallelism=2", "num_decoder_layers=5"
+    )
+    abstract, _ = state_specs(config, Decoder(config), make_optimizer(config)[0])
+    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(abstract)
+    values = [rng.standard_normal(a.shape).astype(a.dtype) for a in leaves]
+    state = jax.tree.unflatten(treedef, values)
+    layout = CanonicalLayout(abstract)
+    canon = layout.to_canonical(values)
+    names = [k for k in canon["params"] if k.startswith("layers")]
+    assert sorted(names) == sorted(f"layers_{i}" for i in range(5))
+    moments = [canon["opt_state"][1][0].mu, canon["opt_state"][1][0].nu]
+    for got, tree in zip([canon["params"], *moments], [state["params"], *_moments(state)]):
+        np.testing.assert_array_equal(
+            got["layers_3"]["mlp"]["wo"], tree["layers_stage_1"]["mlp"]["wo"][0]
+        )
+        np.testing.assert_array_equal(
+            got["layers_2"]["mlp"]["wo"], tree["layers_stage_0"]["mlp"]["wo"][2]
+        )
+    assert jax.tree.map(np.shape, canon["params"]["layers_4"]) == jax.tree.map(
+        lambda x: x.shape[1:], state["params"]["layers_stage_1"]
+    )
+    flat = jax.tree.leaves(canon)
+    back = layout.from_canonical(flat, range(len(flat)), numpy_stack)
+    assert_bitwise(state, jax.tree.unflatten(treedef, [back[j] for j in range(len(values))]))
+
+
+def _moments(state):
+    adam = state["opt_state"][1][0]
+    return [adam.mu, adam.nu]
 
 
 @functools.cache
