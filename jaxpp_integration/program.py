@@ -302,6 +302,9 @@ class _Builder:
             }
             for r in self.after_ranks
         }
+        # what each program reads from outside itself (a recomputed copy of an equation reads
+        # its inputs from the program that made them, so those must be exported)
+        group_reads = {key: set(_reads(eqns)) for key, eqns in groups.items()}
         for (k, r), eqns in sorted(groups.items()):
             missing = {v for v in _reads(eqns) if v in self.free_out and (v, r) not in self.where}
             missing |= free_outs_left.pop(r, set())  # in the rank's first after-loop task
@@ -309,15 +312,8 @@ class _Builder:
             reads = _reads(eqns)
             ins = tuple(self.on_rank(v, r) for v in reads)
             # export only what other tasks or the step's outputs read; the rest stays fused
-            mine = {id(e) for e in eqns}
             read_elsewhere = {
-                v
-                for (k2, r2), other in groups.items()
-                if (k2, r2) != (k, r)
-                for e in other
-                if id(e) not in mine or r2 != r
-                for v in e.invars
-                if isinstance(v, Var)
+                v for key, other in group_reads.items() if key != (k, r) for v in other
             }
             produced = [o for e in eqns for o in e.outvars if o in read_elsewhere or o in step_outs]
             outs = []
