@@ -4,8 +4,11 @@ Each `TaskCode` becomes a Python function over flat arrays (evaluating its equat
 microbatch, updating accumulators) and is compiled with `jax.jit(...).lower(...).compile()` with
 explicit input shardings on its rank's mesh. Meshes captured inside equations (sharding
 constraints, nested jits, shard_map) are rebound from the lowering mesh to the group's mesh.
-Executables are cached by (rank, task jaxpr text, input shardings, donation), so microbatches —
-and identical stages on one rank — share one compile.
+
+One XLA compile per distinct program: a program is keyed by its equations as traced, its input
+layouts relative to the group's sub-mesh and its donation, never by rank or device ids. The first
+group that runs it compiles it; every other group gets that executable loaded onto its own
+devices (`jax_compat.load_compiled_on`); other microbatches reuse their group's executable.
 """
 
 from __future__ import annotations
