@@ -200,7 +200,13 @@ def main():
         for v in args.variants:
             print(f"L={n:3d} {v:24s} ...", end=" ", flush=True)
             cells[v][str(n)] = c = run_cell(n, v, args.timeout)
-            print(f"{c['step_compile_s']:7.2f} s" if "step_compile_s" in c else c["error"])
+            if "step_compile_s" in c:
+                print(f"{c['step_compile_s']:7.2f} s wall, {c['step_compile_cpu_s']:6.2f} s CPU")
+            else:
+                print(c["error"])
+            partial = {"machine": info, "goals": GOALS, "cells": cells, "partial": True}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(partial, indent=2, default=str) + "\n")
     info["loadavg_end"] = os.getloadavg()
     info["wall_time_s"] = time.perf_counter() - t_start
     result = {
