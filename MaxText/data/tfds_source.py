@@ -17,6 +17,7 @@ corpora up to a few GB of text, not C4-scale streaming.
 
 from __future__ import annotations
 
+from MaxText.data.errors import DataImportError, DataNotFoundError
 from MaxText.data.text import Document, split_tail
 
 TFDS_PIN = "tensorflow-datasets==4.9.10"
@@ -30,7 +31,7 @@ def load_tfds_documents(
     try:
         import tensorflow_datasets as tfds
     except ImportError:
-        raise ImportError(
+        raise DataImportError(
             f"dataset_type=tfds needs the tensorflow-datasets package (pip install {TFDS_PIN}); "
             "TensorFlow itself is not needed"
         ) from None
@@ -40,12 +41,12 @@ def load_tfds_documents(
     try:
         builder = tfds.builder(dataset_name, data_dir=data_dir or None)
     except tfds.core.registered.DatasetNotFoundError:
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"no prepared TFDS dataset {dataset_name!r} in {where} (dataset_path=); prepare it "
             "there first with file_format='array_record' (this trainer never downloads data)"
         ) from None
     if not builder.is_prepared():
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"TFDS dataset {dataset_name!r} is not prepared in {where} (dataset_path=); prepare "
             "it there first with file_format='array_record' (this trainer never downloads data)"
         )
