@@ -4,9 +4,13 @@ Each case runs the trainer's entry point `MaxText.train.main` in-process and che
 code and that stderr holds exactly one line naming the setting (no traceback).
 """
 
+import re
+
+import numpy as np
 import pytest
 
-from MaxText.config import CONFIGS_DIR
+from MaxText.config import CONFIGS_DIR, ConfigError, load_config
+from MaxText.data import make_data
 from MaxText.train import main
 
 
@@ -26,3 +30,31 @@ def test_data_setting_errors_exit_2_with_one_line(tmp_path, capsys, overrides, e
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("data error: "), err
     assert expected in lines[0]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "tokenizer_type=tiktoken",
+            "tokenizer_type=tiktoken is not supported here: only sentencepiece",
+        ),
+        ("dataset_type=grain", "dataset_type=grain needs grain_train_files="),
+        ("grain_worker_count=-1", "grain_worker_count=-1: must be >= 0"),
+        ("dataset_split=train", "unknown config key 'dataset_split'"),
+    ],
+)
+def test_data_keys_are_validated_at_load(override, expected):
+    """The data block's keys (MaxText names); `dataset_split` (never read) no longer exists."""
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config([str(CONFIGS_DIR / "base.yml"), override])
+
+
+def test_data_shuffle_seed_orders_the_data_and_seed_does_not(tmp_path):
+    def first_batch(*overrides):
+        argv = [str(CONFIGS_DIR / "base.yml"), "dataset_type=synthetic", *overrides]
+        return next(make_data(load_config(argv)).train)["inputs"]
+
+    base = first_batch()
+    np.testing.assert_array_equal(first_batch("seed=5"), base)
+    assert not np.array_equal(first_batch("data_shuffle_seed=5"), base)

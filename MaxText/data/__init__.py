@@ -6,10 +6,12 @@
     for batch in data.eval_batches(): ...
     data.tokenizer.encode("To be"), data.info.unigram_entropy_nats
 
-`config` is read by attribute: dataset_type ("text" | "synthetic" | "tfds"), dataset_path,
-dataset_name, tokenizer_path, vocab_size, max_target_length, global_batch_size, seed,
-eval_steps, eval_split_fraction, base_output_directory, and optionally process_index /
-process_count (default 0 / 1). B is global_batch_size, L max_target_length, P process_count.
+`config` is read by attribute: dataset_type ("text" | "synthetic" | "tfds" | "grain"),
+dataset_path, dataset_name, train_split, eval_split, tokenizer_path, vocab_size,
+max_target_length, global_batch_size, data_shuffle_seed (the example order), eval_steps,
+eval_split_fraction, packing, grain_train_files, grain_eval_files, grain_worker_count,
+base_output_directory, and optionally process_index / process_count (default 0 / 1). B is
+global_batch_size, L max_target_length, P process_count.
 
 Pipelines (one module each):
   text       `text.py` documents -> `tokenizer.py` -> `packing.py` windows -> `iterator.py`
@@ -97,6 +99,8 @@ class _Options:
     dataset_type: str
     dataset_path: str
     dataset_name: str
+    train_split: str
+    eval_split: str
     tokenizer_path: str
     vocab_size: int
     seq_len: int
@@ -119,11 +123,13 @@ def _read_options(config: Any) -> _Options:
         dataset_type=str(attr("dataset_type")),
         dataset_path=str(attr("dataset_path") or ""),
         dataset_name=str(attr("dataset_name") or ""),
+        train_split=str(attr("train_split")),
+        eval_split=str(attr("eval_split")),
         tokenizer_path=str(attr("tokenizer_path") or ""),
         vocab_size=int(attr("vocab_size")),
         seq_len=int(attr("max_target_length")),
         global_batch_size=int(attr("global_batch_size")),
-        seed=int(attr("seed")),
+        seed=int(attr("data_shuffle_seed")),
         eval_steps=int(attr("eval_steps")),
         eval_split_fraction=float(attr("eval_split_fraction")),
         base_output_directory=str(attr("base_output_directory") or ""),
@@ -171,6 +177,8 @@ def make_data(config: Any, *, tfds_text_feature: str | None = None) -> Data:
         train_docs, eval_docs, description = load_tfds_documents(
             opts.dataset_name,
             opts.dataset_path,
+            train_split=opts.train_split,
+            eval_split=opts.eval_split,
             eval_fraction=opts.eval_split_fraction,
             text_feature=tfds_text_feature,
         )
