@@ -2,7 +2,9 @@
 
 `Decoder(config)(tokens_BxL) -> logits_BxLxV` (float32): token embedding (plus learned positions for
 the gpt block), `num_decoder_layers` decoder layers, final norm, output head (its own kernel, or the
-transposed token embedding with `logits_via_embedding=true`).
+transposed token embedding with `logits_via_embedding=true`). Packed rows pass `positions_BxL`
+(restarting at 0 in every document) and `segment_ids_BxL` (1, 2, ... per document, 0 for padding):
+attention then stays inside each document (`MaxText/attention.py`).
 
 The only pipeline knowledge here is where stages end: when `config.num_stages > 1` the model calls
 `jaxpp.pipeline_enter_stage` on the hidden state right after the last layer of every stage but the
@@ -30,7 +32,7 @@ class Decoder(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, tokens_BxL, positions_BxL=None):
+    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
         c = self.config
         dtype, wdtype = layers.dtype_of(c.dtype), layers.dtype_of(c.weight_dtype)
         if positions_BxL is None:
@@ -58,12 +60,14 @@ class Decoder(nn.Module):
         x_BxLxE = _constrain(x_BxLxE)
 
         if c.scan_layers:
-            x_BxLxE = self._scanned_layers(x_BxLxE, positions_BxL)
+            x_BxLxE = self._scanned_layers(x_BxLxE, positions_BxL, segment_ids_BxL)
         else:
             layer_cls = layers.layer_class(c)
             stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
             for i in range(c.num_decoder_layers):
-                x_BxLxE = _constrain(layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL))
+                x_BxLxE = _constrain(
+                    layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL, segment_ids_BxL)
+                )
                 if i in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
 
@@ -81,17 +85,17 @@ class Decoder(nn.Module):
             "ble,ev->blv", x_BxLxE, head_ExV.astype(dtype), preferred_element_type=jnp.float32
         )
 
-    def _scanned_layers(self, x_BxLxE, positions_BxL):
+    def _scanned_layers(self, x_BxLxE, positions_BxL, segment_ids_BxL):
         c = self.config
         scanned = nn.scan(
             layers.layer_class(c, scanned=True),
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast,),
+            in_axes=(nn.broadcast, nn.broadcast),
             length=c.num_decoder_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BxLxE, _ = scanned(c, name="layers")(x_BxLxE, positions_BxL)
+        x_BxLxE, _ = scanned(c, name="layers")(x_BxLxE, positions_BxL, segment_ids_BxL)
         return x_BxLxE
 
 
