@@ -84,3 +84,71 @@ def test_resume_with_grain_workers_is_bitwise(shards, tmp_path, layout):
     train(shards, tmp_path, "other", "steps=20", "grain_worker_count=0", *layout)
     other = losses(tmp_path, "other", range(11, 21))
     assert_bitwise(full[10:], other, "resumed with grain_worker_count=0")
+
+
+# ------------------------------------------------------------------------------ memory bound
+
+RSS_SCRIPT = """
+import resource, sys
+from MaxText.train import main
+code = main(sys.argv[1:])
+print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+sys.exit(code)
+"""
+
+
+def synthetic_shards(template: Path, out: Path, num_docs: int, doc_len: int) -> Path:
+    """A prepared folder of `num_docs` random documents (the template's tokenizer), written
+    directly: the 20x set is ~80 MB of tokens, too slow to tokenize here."""
+    out.mkdir()
+    shutil.copy(template / prepare_lib.TOKENIZER_FILE, out / prepare_lib.TOKENIZER_FILE)
+    manifest = json.loads((template / prepare_lib.MANIFEST).read_text())
+    writer = prepare_lib._Shards(out, "train", 10_000, np.dtype(np.uint16))
+    rng = np.random.default_rng(0)
+    for _ in range(num_docs):
+        writer.add(rng.integers(4, 320, doc_len))
+    writer.close()
+    manifest["splits"] = {"train": writer.summary()}
+    (out / prepare_lib.MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.slow
+def test_trainer_memory_does_not_grow_with_dataset_size(shards, tmp_path):
+    """Peak RSS of 10 training steps (workers off: all reading in the trainer's process) on
+    datasets of 4 MB and 80 MB of tokens differ by less than 10 % (~530 MB here, so holding
+    the larger set in memory, as the text pipeline does with its corpus, would fail it)."""
+    import os
+    import subprocess
+    import sys
+
+    rss = {}
+    for factor in (1, 20):
+        data = synthetic_shards(shards, tmp_path / f"x{factor}", 2000 * factor, 1000)
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+        argv = [
+            str(CONFIGS_DIR / "base.yml"),
+            *SMALL_MODEL,
+            "vocab_size=512",
+            "dataset_type=grain",
+            f"grain_train_files={data}/train-*.array_record",
+            "grain_worker_count=0",
+            "steps=10",
+            "eval_interval=0",
+            "enable_progress_bar=false",
+            "enable_tensorboard=false",
+            f"base_output_directory={tmp_path}",
+            f"run_name=x{factor}",
+        ]
+        proc = subprocess.run(
+            [sys.executable, "-c", RSS_SCRIPT, *argv],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rss[factor] = int(proc.stdout.split("MAXRSS_KB")[1].split()[0])
+    assert abs(rss[20] - rss[1]) < 0.10 * rss[1], rss
