@@ -2,6 +2,7 @@
 
     data = make_data(config)
     batch = next(data.train)       # {"inputs", "targets", "targets_mask"}: int32[B/P, L]
+                                   # (grain adds "inputs_segmentation", "inputs_position")
     state = data.train.get_state() # JSON-serializable; data.train.set_state(state) resumes exactly
     for batch in data.eval_batches(): ...
     data.tokenizer.encode("To be"), data.info.unigram_entropy_nats
