@@ -558,6 +558,11 @@ def _validate_data(v: dict[str, Any]) -> None:
         )
     if not v["train_split"]:
         raise ConfigError("train_split= must name a split (MaxText's default: train)")
+    if not v["packing"] and v["dataset_type"] in ("text", "tfds"):
+        raise ConfigError(
+            f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
+            "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )
 
 
 def load_config(argv: Sequence[str]) -> Config:

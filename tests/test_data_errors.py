@@ -42,6 +42,7 @@ def test_data_setting_errors_exit_2_with_one_line(tmp_path, capsys, overrides, e
         ("dataset_type=grain", "dataset_type=grain needs grain_train_files="),
         ("grain_worker_count=-1", "grain_worker_count=-1: must be >= 0"),
         ("dataset_split=train", "unknown config key 'dataset_split'"),
+        ("packing=false", "packing=false is not supported with dataset_type=text"),
     ],
 )
 def test_data_keys_are_validated_at_load(override, expected):

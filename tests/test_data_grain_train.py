@@ -152,3 +152,44 @@ def test_trainer_memory_does_not_grow_with_dataset_size(shards, tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         rss[factor] = int(proc.stdout.split("MAXRSS_KB")[1].split()[0])
     assert abs(rss[20] - rss[1]) < 0.10 * rss[1], rss
+
+
+# ------------------------------------------------------------------------------ two processes
+
+
+@pytest.mark.slow
+def test_two_process_pipelined_grain_run_equals_one_process(shards, tmp_path):
+    """Under pipelining every process feeds the whole batch, so each reads every document (its
+    own grain workers): 2 processes (MaxText.launch, one pipeline group each) give bitwise the
+    losses of the 1-process run."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    common = [
+        "configs/base.yml",
+        *SMALL_MODEL,
+        "vocab_size=512",
+        "dataset_type=grain",
+        f"grain_train_files={shards}/train-*.array_record",
+        "grain_worker_count=1",
+        "pipeline_parallelism=2",
+        "steps=4",
+        "log_period=1",
+        "eval_interval=0",
+        "enable_tensorboard=false",
+        "enable_progress_bar=false",
+        f"base_output_directory={tmp_path}",
+    ]
+    launch = [sys.executable, "-m", "MaxText.launch", "--num_processes", "2", "--timeout", "900"]
+    for cmd in (
+        [*launch, "--", *common, "run_name=two"],
+        [sys.executable, "train.py", *common, "run_name=one"],
+    ):
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1000)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one = losses(tmp_path, "one", range(1, 5))
+    assert_bitwise(one, losses(tmp_path, "two", range(1, 5)), "2 processes vs 1")

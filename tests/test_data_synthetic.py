@@ -16,7 +16,8 @@ def make_config(**overrides):
         vocab_size=50, max_target_length=64, global_batch_size=8, data_shuffle_seed=0, eval_steps=0
     )
     values.update(eval_split_fraction=0.05, base_output_directory="")
-    values.update(train_split="train", eval_split="validation")
+    values.update(train_split="train", eval_split="validation", packing=True)
+    values.update(grain_train_files="", grain_eval_files="", grain_worker_count=0)
     values.update(overrides)
     return types.SimpleNamespace(**values)
 

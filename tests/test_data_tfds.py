@@ -75,7 +75,8 @@ def make_config(**overrides):
         train_split="train",
         eval_split="validation",
     )
-    values.update(eval_split_fraction=0.1, base_output_directory="")
+    values.update(eval_split_fraction=0.1, base_output_directory="", packing=True)
+    values.update(grain_train_files="", grain_eval_files="", grain_worker_count=0)
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
