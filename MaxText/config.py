@@ -556,6 +556,11 @@ def _validate_data(v: dict[str, Any]) -> None:
             "dataset_type=grain needs grain_train_files= (a glob of *.array_record shards written "
             "by python -m MaxText.data.prepare)"
         )
+    if v["dataset_type"] == "grain" and v["eval_interval"] > 0 and not v["grain_eval_files"]:
+        raise ConfigError(
+            f"eval_interval={v['eval_interval']} needs held-out data: set grain_eval_files= (e.g. "
+            "the eval-*.array_record of prepare --eval_fraction) or eval_interval=0"
+        )
     if not v["train_split"]:
         raise ConfigError("train_split= must name a split (MaxText's default: train)")
     if not v["packing"] and v["dataset_type"] in ("text", "tfds"):

@@ -56,6 +56,7 @@ def small_config(*overrides: str):
             f"grain_train_files={prepared()}/train-*.array_record",
             "ici_data_parallelism=1",
             "ici_fsdp_parallelism=1",
+            "eval_interval=0",
             "base_output_directory=/tmp/maxtext_jaxpp_bench/out",
             *overrides,
         ]

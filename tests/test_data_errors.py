@@ -40,6 +40,7 @@ def test_data_setting_errors_exit_2_with_one_line(tmp_path, capsys, overrides, e
             "tokenizer_type=tiktoken is not supported here: only sentencepiece",
         ),
         ("dataset_type=grain", "dataset_type=grain needs grain_train_files="),
+        ("dataset_type=grain grain_train_files=x", "eval_interval=100 needs held-out data"),
         ("grain_worker_count=-1", "grain_worker_count=-1: must be >= 0"),
         ("dataset_split=train", "unknown config key 'dataset_split'"),
         ("packing=false", "packing=false is not supported with dataset_type=text"),
@@ -48,7 +49,7 @@ def test_data_setting_errors_exit_2_with_one_line(tmp_path, capsys, overrides, e
 def test_data_keys_are_validated_at_load(override, expected):
     """The data block's keys (MaxText names); `dataset_split` (never read) no longer exists."""
     with pytest.raises(ConfigError, match=re.escape(expected)):
-        load_config([str(CONFIGS_DIR / "base.yml"), override])
+        load_config([str(CONFIGS_DIR / "base.yml"), *override.split()])
 
 
 def test_data_shuffle_seed_orders_the_data_and_seed_does_not(tmp_path):

@@ -257,7 +257,9 @@ def test_packed_batch_loss_is_the_sum_of_each_documents_loss(block):
         f"max_target_length={L}",
         f"decoder_block={block}",
     ]
-    packed_cfg = load_config([*small, "dataset_type=grain", "grain_train_files=x"])
+    packed_cfg = load_config(
+        [*small, "dataset_type=grain", "grain_train_files=x", "eval_interval=0"]
+    )
     plain_cfg = load_config([*small, "dataset_type=synthetic"])
     assert (
         batch_keys(packed_cfg) == PACKED_BATCH_KEYS and batch_keys(plain_cfg) != PACKED_BATCH_KEYS
