@@ -98,7 +98,7 @@ class Decoder(nn.Module):
 
     def _scan(self, name: str, length: int, x_BxLxE, *per_token_args):
         """`length` layers as one `nn.scan` over weights stacked under `name` (leading axis =
-        layer). `per_token_args` (positions, ...) are broadcast to every layer, unchanged."""
+        layer). `per_token_args` (positions, segment ids) are broadcast to every layer."""
         scanned = nn.scan(
             layers.layer_class(self.config, scanned=True),
             variable_axes={"params": 0},
