@@ -312,6 +312,8 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         in_specs=(specs, batch_specs),
         out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
         donate_argnums=(0,),
+        gradient_reduction=config.gradient_reduction,
+        pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
     )
 
     def put_batch(batch):

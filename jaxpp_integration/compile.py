@@ -137,7 +137,10 @@ def compile_program(prog: Program, mpmd_mesh, input_shardings: dict, cache: dict
             code = ins.code
             if id(code) not in fn_cache:
                 eqns = rebind_meshes(code.eqns, src_meshes, mpmd_mesh.unstack[code.rank])
-                fn_cache[id(code)] = (task_function(code, eqns), _key(code, eqns))
+                fn = task_function(code, eqns)
+                if code.out_specs:
+                    fn = _constrained(fn, code.out_specs, mpmd_mesh.unstack[code.rank])
+                fn_cache[id(code)] = (fn, (_key(code, eqns), code.out_specs))
             fn, key = fn_cache[id(code)]
             in_sh = tuple(slot_sharding[s] for s in ins.ins)
             full_key = (key, in_sh, ins.donate)
@@ -151,8 +154,22 @@ def compile_program(prog: Program, mpmd_mesh, input_shardings: dict, cache: dict
             for s, sh in zip(ins.outs, exe.output_shardings):
                 slot_sharding[s] = sh
         elif isinstance(ins, Fill):
-            slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, PartitionSpec())
+            spec = prog.slot_spec.get(ins.slot, PartitionSpec())
+            slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, spec)
     return executables, slot_sharding
+
+
+def _constrained(fn, specs, mesh: Mesh):
+    """`fn` with output i constrained to `specs[i]` on `mesh` (None: left to XLA)."""
+
+    def wrapped(*args):
+        outs = fn(*args)
+        return [
+            o if s is None else jax.lax.with_sharding_constraint(o, NamedSharding(mesh, s))
+            for o, s in zip(outs, specs)
+        ]
+
+    return wrapped
 
 
 def literal_value(v):

@@ -13,6 +13,19 @@ def source_line(eqn) -> str:
         return "<unknown source line>"
 
 
+def eqn_source_context(eqn):
+    """A context in which equations bound again carry `eqn`'s source line and name stack."""
+    import contextlib
+
+    try:
+        from jax._src import source_info_util
+
+        info = eqn.source_info
+        return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+    except Exception:  # pragma: no cover - best effort across JAX versions
+        return contextlib.nullcontext()
+
+
 def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
     """`jax.shard_map` where it exists (newer JAX), else the experimental one. `check=False`
     turns off the replication check (for outputs equal across an axis by construction)."""

@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 from jax.extend.core import Literal, Var
+from jax.sharding import PartitionSpec
 
 from jaxpp_integration.partition import PartitionedBody
 from jaxpp_integration.placement import Placement, after_segments
@@ -43,6 +44,7 @@ class TaskCode:
     acc_ops: tuple = ()  # (op, body-output position in outvars order) per accumulator
     acc_inits: tuple = ()  # before tasks: (op, n, aval) per accumulator to create
     mb_axis: int = 0
+    out_specs: tuple = ()  # per output: a PartitionSpec the result is constrained to, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Program:
     outputs: list  # per flat step output: {rank: slot}
     constants: dict  # slot -> numpy value (index scalars, literals)
     mpmd_dim: int
+    slot_spec: dict = dataclasses.field(default_factory=dict)  # slot -> spec a Fill must use
 
 
 _INDEX_AVAL = jax.core.ShapedArray((), np.int32)
@@ -111,6 +114,8 @@ class _Builder:
         ops,
         axis,
         loop_need: dict,
+        deferred: list | None = None,
+        loop_body=None,
     ):
         self.jaxpr = closed.jaxpr
         self.placement, self.body, self.schedule = placement, body, schedule
@@ -129,6 +134,22 @@ class _Builder:
         self.loop_consts, self.loop_xs = loop_eqn.invars[:n_consts], loop_eqn.invars[n_consts:]
         self.acc_rank = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
         self.free_out = {o for e in placement.free_eqns for o in e.outvars}
+        # gradient_reduction="step": body outputs kept as partial sums [D, ...] over these axes
+        self.deferred = deferred or [None] * len(loop_eqn.outvars)
+        self.body_out_avals = (loop_body or loop_eqn.params["body"]).out_avals
+        self.slot_spec: dict = {}
+
+    def acc_aval(self, j):
+        return self.body_out_avals[j] if self.deferred[j] else self.loop_eqn.outvars[j].aval
+
+    def acc_spec(self, j, unconstrained=False):
+        axes = self.deferred[j]
+        if axes is None:
+            return None
+        rest = [PartitionSpec.UNCONSTRAINED if unconstrained else None] * (
+            len(self.body_out_avals[j].shape) - 1
+        )
+        return PartitionSpec(axes, *rest)
 
     # ---------------------------------------------------------------- slots
 
@@ -174,7 +195,7 @@ class _Builder:
         """Free work the loop (or a free step output) needs, replicated per rank, plus the
         accumulator inits. Free work only after-loop tasks need is recomputed inside them, so
         the optimizer compiles as one piece, as it does under plain jax.jit."""
-        body_out_avals = self.loop_eqn.params["body"].out_avals
+        body_out_avals = self.body_out_avals
         for r in range(self.mpmd_dim):
             targets = {v for v, ranks in self.loop_need.items() if r in ranks}
             targets |= {
@@ -187,19 +208,31 @@ class _Builder:
             accs = [j for j in range(len(body_out_avals)) if self.acc_rank[j] == r]
             if not eqns:
                 for j in accs:
-                    self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
+                    self.acc_slot[j] = self.new(r, self.acc_aval(j), "acc")
                     init = np.asarray(self.ops[j].init(self.n_mb, body_out_avals[j]))
                     self.instrs.append(Fill(self.acc_slot[j], r, init))
+                    if self.deferred[j]:
+                        self.slot_spec[self.acc_slot[j]] = self.acc_spec(j)
                 continue
             reads = _reads(eqns)
             inits = tuple((self.ops[j], self.n_mb, body_out_avals[j]) for j in accs)
-            code = TaskCode(f"before_loop_{r}", r, "before", eqns, reads, produced, acc_inits=inits)
+            specs = (None,) * len(produced) + tuple(self.acc_spec(j) for j in accs)
+            code = TaskCode(
+                f"before_loop_{r}",
+                r,
+                "before",
+                eqns,
+                reads,
+                produced,
+                acc_inits=inits,
+                out_specs=specs if any(specs) else (),
+            )
             outs = []
             for o in produced:
                 outs.append(self.new(r, o.aval, "value"))
                 self.where[(o, r)] = outs[-1]
             for j in accs:
-                self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
+                self.acc_slot[j] = self.new(r, self.acc_aval(j), "acc")
                 outs.append(self.acc_slot[j])
             ins = tuple(self.where[(v, r)] for v in reads) + (self.index(r, 0),)  # pins the rank
             self.instrs.append(Run(code, ins, tuple(outs), None))
@@ -235,6 +268,9 @@ class _Builder:
         mb = t.microbatch
         key = (t.stage, t.phase, rank)
         if key not in self.codes:
+            specs = (None,) * len(task.outvars) + tuple(
+                self.acc_spec(j, unconstrained=True) for j in task.owned_outputs
+            )
             self.codes[key] = TaskCode(
                 task.name,
                 rank,
@@ -247,6 +283,7 @@ class _Builder:
                 mb_slices=tuple(i for i, v in enumerate(task.invars) if v in self.mb_index),
                 acc_ops=tuple((self.ops[j], self.body.outvars[j]) for j in task.owned_outputs),
                 mb_axis=self.axis,
+                out_specs=specs if any(specs) else (),
             )
         ins = []
         for v in task.invars:
@@ -280,6 +317,7 @@ class _Builder:
 
     def after_loop(self) -> None:
         """Placed work per (segment, rank), inputs from other ranks transferred in first."""
+        self.reduce_deferred()
         for j, v in enumerate(self.loop_eqn.outvars):
             self.where[(v, self.acc_rank[j])] = self.acc_slot[j]
         seg = after_segments(self.placement)
@@ -313,6 +351,26 @@ class _Builder:
             code = TaskCode(f"after_loop_{r}_{k}", r, "after", eqns, reads, produced)
             self.instrs.append(Run(code, ins, tuple(outs), None))
 
+    def reduce_deferred(self) -> None:
+        """One `reduce_r` task per rank sums the leading axis of its partial accumulators: the
+        only data-parallel reduction of those values in the step."""
+        for r in range(self.mpmd_dim):
+            accs = [j for j, axes in enumerate(self.deferred) if axes and self.acc_rank[j] == r]
+            if not accs:
+                continue
+            avals = [self.slot_aval[self.acc_slot[j]] for j in accs]
+            closed = jax.make_jaxpr(lambda *a: [x.sum(0, dtype=x.dtype) for x in a])(
+                *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+            )
+            jp = closed.jaxpr
+            code = TaskCode(f"reduce_{r}", r, "after", jp.eqns, jp.invars, jp.outvars)
+            ins = tuple(self.acc_slot[j] for j in accs)
+            outs = []
+            for j in accs:
+                outs.append(self.new(r, self.loop_eqn.outvars[j].aval, "value"))
+                self.acc_slot[j] = outs[-1]
+            self.instrs.append(Run(code, ins, tuple(outs), None))
+
     def step_outputs(self) -> list:
         return [
             {r: self.on_rank(v, r) for r in sorted(ranks)}
@@ -321,16 +379,35 @@ class _Builder:
 
 
 def build_program(
-    closed, placement: Placement, body: PartitionedBody, schedule, n_mb, ops, axis, loop_need: dict
+    closed,
+    placement: Placement,
+    body: PartitionedBody,
+    schedule,
+    n_mb,
+    ops,
+    axis,
+    loop_need: dict,
+    deferred: list | None = None,
+    loop_body=None,
 ) -> Program:
-    b = _Builder(closed, placement, body, schedule, n_mb, ops, axis, loop_need)
+    """`deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
+    `loop_body`, the rewritten body), summed once after the loop; None: reduced as it is made."""
+    b = _Builder(closed, placement, body, schedule, n_mb, ops, axis, loop_need, deferred, loop_body)
     inputs = b.step_inputs()
     b.before_loop()
     b.loop()
     b.after_loop()
     outputs = b.step_outputs()
     return Program(
-        b.instrs, b.slot_rank, b.slot_aval, b.slot_kind, inputs, outputs, b.constants, b.mpmd_dim
+        b.instrs,
+        b.slot_rank,
+        b.slot_aval,
+        b.slot_kind,
+        inputs,
+        outputs,
+        b.constants,
+        b.mpmd_dim,
+        b.slot_spec,
     )
 
 
