@@ -76,6 +76,7 @@ class Config:
     # pipeline communication
     gradient_reduction: str
     pipeline_hang_timeout_s: float
+    pipeline_fsdp_ag_once: bool
     # multi-host
     coordinator_address: str
     num_processes: int

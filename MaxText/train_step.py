@@ -314,6 +314,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         donate_argnums=(0,),
         gradient_reduction=config.gradient_reduction,
         pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
+        pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
     )
 
     def put_batch(batch):

@@ -265,6 +265,7 @@ class MpmdFunction:
         donate_argnums=(),
         gradient_reduction: str = "step",
         pipeline_hang_timeout_s: float | None = None,
+        pipeline_fsdp_ag_once: bool = False,
     ):
         if not isinstance(mpmd_mesh, MpmdMesh):
             raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
@@ -280,6 +281,7 @@ class MpmdFunction:
                 "(0 or None: no watchdog)"
             )
         self.pipeline_hang_timeout_s = pipeline_hang_timeout_s
+        self.pipeline_fsdp_ag_once = bool(pipeline_fsdp_ag_once)
         self.fn = fn
         self.mpmd_mesh = mpmd_mesh
         self.in_specs = in_specs
@@ -323,6 +325,7 @@ def mpmd_jit_with_loop(
     donate_argnums=(),
     gradient_reduction="step",
     pipeline_hang_timeout_s=None,
+    pipeline_fsdp_ag_once=False,
 ):
     """Pipelines the single `treduce` loop of `fn` over the groups of `mpmd_mesh`.
 
@@ -333,8 +336,14 @@ def mpmd_jit_with_loop(
 
     `pipeline_hang_timeout_s`: under several processes, a process that waits longer than this
     for a cross-process transfer prints where it is in the schedule (instruction, task,
-    microbatch, the group waited on) and exits with code 3 (`watchdog.py`); None or 0: off."""
+    microbatch, the group waited on) and exits with code 3 (`watchdog.py`); None or 0: off.
+
+    `pipeline_fsdp_ag_once`: weights sharded over the axes that split the batch (fsdp) are
+    gathered once per step per group and reused by every microbatch (all-gathers per step
+    independent of the number of microbatches; the gathered copies stay alive through the
+    loop and show in `last_memory`). Default False: each task gathers what it needs."""
     kw = dict(
+        pipeline_fsdp_ag_once=pipeline_fsdp_ag_once,
         pipeline_hang_timeout_s=pipeline_hang_timeout_s,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -416,6 +425,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         loop_in_need,
         deferred,
         loop_body,
+        _unreduced.gather_specs(jaxpr, specs) if f.pipeline_fsdp_ag_once else None,
     )
     donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in f.donate_argnums}
     prog = _program.add_deletes(prog, donated)

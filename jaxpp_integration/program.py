@@ -116,8 +116,11 @@ class _Builder:
         loop_need: dict,
         deferred: list | None = None,
         loop_body=None,
+        gather_specs: dict | None = None,
     ):
         self.jaxpr = closed.jaxpr
+        self.gather_specs = gather_specs or {}  # loop constant -> spec to gather it to
+        self.gathered: dict = {}  # (loop constant, rank) -> slot of its gathered copy
         self.placement, self.body, self.schedule = placement, body, schedule
         self.n_mb, self.ops, self.axis, self.loop_need = n_mb, ops, axis, loop_need
         self.mpmd_dim = schedule.mpmd_dim
@@ -247,6 +250,7 @@ class _Builder:
             for v in task.invars:
                 self.consumers.setdefault(v, set()).add(schedule.stage_to_rank(stage))
         self.codes: dict = {}
+        self.gather_once()
         replay = list_schedule(
             schedule.tasks(self.n_mb),
             schedule.num_stages,
@@ -260,6 +264,29 @@ class _Builder:
         for sched in replay:
             for t in item_tasks(sched.item):
                 self.loop_task(t, sched.rank)
+
+    def gather_once(self) -> None:
+        """`pipeline_fsdp_ag_once`: one `gather_r` task per rank gathers the sharded loop
+        constants (weights) its loop tasks read, once per step; every microbatch reads the
+        gathered copy, which stays alive (and counted) until the rank's last loop task."""
+        for r in range(self.mpmd_dim):
+            wanted = []
+            for (stage, _), task in self.body.tasks.items():
+                if self.schedule.stage_to_rank(stage) != r:
+                    continue
+                for v in task.invars:
+                    top = self.loop_consts[self.const_index[v]] if v in self.const_index else None
+                    if top in self.gather_specs and top not in wanted:
+                        wanted.append(top)
+            if not wanted:
+                continue
+            ins = tuple(self.on_rank(v, r) for v in wanted)
+            outs = tuple(self.new(r, v.aval, "value") for v in wanted)
+            specs = tuple(self.gather_specs[v] for v in wanted)
+            code = TaskCode(f"gather_{r}", r, "after", [], wanted, wanted, out_specs=specs)
+            self.instrs.append(Run(code, ins, outs, None))
+            for v, s in zip(wanted, outs):
+                self.gathered[(v, r)] = s
 
     def loop_task(self, t: Task, rank) -> None:
         task = self.body.tasks[(t.stage, t.phase)]
@@ -288,7 +315,9 @@ class _Builder:
         ins = []
         for v in task.invars:
             if v in self.const_index:
-                ins.append(self.on_rank(self.loop_consts[self.const_index[v]], rank))
+                top = self.loop_consts[self.const_index[v]]
+                got = self.gathered.get((top, rank)) if isinstance(top, Var) else None
+                ins.append(got if got is not None else self.on_rank(top, rank))
             elif v in self.mb_index:
                 ins.append(self.on_rank(self.loop_xs[self.mb_index[v]], rank))
             else:
@@ -389,10 +418,23 @@ def build_program(
     loop_need: dict,
     deferred: list | None = None,
     loop_body=None,
+    gather_specs: dict | None = None,
 ) -> Program:
     """`deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
     `loop_body`, the rewritten body), summed once after the loop; None: reduced as it is made."""
-    b = _Builder(closed, placement, body, schedule, n_mb, ops, axis, loop_need, deferred, loop_body)
+    b = _Builder(
+        closed,
+        placement,
+        body,
+        schedule,
+        n_mb,
+        ops,
+        axis,
+        loop_need,
+        deferred,
+        loop_body,
+        gather_specs,
+    )
     inputs = b.step_inputs()
     b.before_loop()
     b.loop()

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal, Var
+from jax.sharding import PartitionSpec
 
 from jaxpp_integration.jax_compat import eqn_source_context
 from jaxpp_integration.marker import is_marker
@@ -442,3 +443,29 @@ def defer_step_reductions(jaxpr, in_specs: list, mpmd_mesh):
     if not any(got.partial_axes):
         return body, None
     return got.body, got.partial_axes
+
+
+def gather_specs(jaxpr, in_specs: list) -> dict:
+    """`pipeline_fsdp_ag_once`: for each step input read by the loop whose spec uses an axis that
+    also splits the microbatches' rows (fsdp), the spec without those axes (what it is gathered
+    to once per step). Tensor-parallel axes stay sharded."""
+    from jaxpp_integration.placement import split_at_loop
+
+    before, loop_eqn, _ = split_at_loop(jaxpr)
+    p = loop_eqn.params
+    rows = seed_rows(jaxpr, in_specs, before, loop_eqn.invars[p["n_consts"] :], p["axis"])
+    row_axes = {a for r in rows if r is not None for a in r.axes}
+    spec_of = dict(zip(jaxpr.invars, in_specs))
+    out = {}
+    for v in loop_eqn.invars[: p["n_consts"]]:
+        spec = spec_of.get(v) if isinstance(v, Var) else None
+        if spec is None:
+            continue
+        kept = []
+        for entry in tuple(spec):
+            names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+            rest = tuple(a for a in names if a not in row_axes)
+            kept.append(rest if len(rest) > 1 else (rest[0] if rest else None))
+        if kept != list(tuple(spec)):
+            out[v] = PartitionSpec(*kept)
+    return out
