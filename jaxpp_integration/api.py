@@ -426,6 +426,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         deferred,
         loop_body,
         _unreduced.gather_specs(jaxpr, specs) if f.pipeline_fsdp_ag_once else None,
+        _unreduced.reduced_specs(jaxpr, specs, deferred) if deferred else None,
     )
     donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in f.donate_argnums}
     prog = _program.add_deletes(prog, donated)

@@ -117,8 +117,10 @@ class _Builder:
         deferred: list | None = None,
         loop_body=None,
         gather_specs: dict | None = None,
+        reduce_specs: list | None = None,
     ):
         self.jaxpr = closed.jaxpr
+        self.reduce_specs = reduce_specs or [None] * len(placement.loop_eqn.outvars)
         self.gather_specs = gather_specs or {}  # loop constant -> spec to gather it to
         self.gathered: dict = {}  # (loop constant, rank) -> slot of its gathered copy
         self.placement, self.body, self.schedule = placement, body, schedule
@@ -392,7 +394,16 @@ class _Builder:
                 *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
             )
             jp = closed.jaxpr
-            code = TaskCode(f"reduce_{r}", r, "after", jp.eqns, jp.invars, jp.outvars)
+            specs = tuple(self.reduce_specs[j] for j in accs)  # fsdp: a reduce-scatter
+            code = TaskCode(
+                f"reduce_{r}",
+                r,
+                "after",
+                jp.eqns,
+                jp.invars,
+                jp.outvars,
+                out_specs=specs if any(specs) else (),
+            )
             ins = tuple(self.acc_slot[j] for j in accs)
             outs = []
             for j in accs:
@@ -419,6 +430,7 @@ def build_program(
     deferred: list | None = None,
     loop_body=None,
     gather_specs: dict | None = None,
+    reduce_specs: list | None = None,
 ) -> Program:
     """`deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
     `loop_body`, the rewritten body), summed once after the loop; None: reduced as it is made."""
@@ -434,6 +446,7 @@ def build_program(
         deferred,
         loop_body,
         gather_specs,
+        reduce_specs,
     )
     inputs = b.step_inputs()
     b.before_loop()

@@ -98,7 +98,7 @@ def seed_rows(jaxpr, in_specs: list, before_eqns: list, xs_vars: list, axis: int
                 rows[v] = RowDim(d, tuple(entry) if isinstance(entry, tuple) else (entry,))
                 break
     for eqn in before_eqns:
-        ins = [rows.get(v) if isinstance(v, Var) else None for v in eqn.invars]
+        ins = [rows.get(v) if _is_var(v) else None for v in eqn.invars]
         if not any(ins):
             continue
         for o, r in zip(eqn.outvars, _propagate(eqn.primitive.name, eqn.params, eqn, ins)):
@@ -106,7 +106,7 @@ def seed_rows(jaxpr, in_specs: list, before_eqns: list, xs_vars: list, axis: int
                 rows[o] = r
     out = []
     for v in xs_vars:
-        r = rows.get(v) if isinstance(v, Var) else None
+        r = rows.get(v) if _is_var(v) else None
         if r is None or r.dim == axis:
             out.append(None)
         else:
@@ -458,7 +458,7 @@ def gather_specs(jaxpr, in_specs: list) -> dict:
     spec_of = dict(zip(jaxpr.invars, in_specs))
     out = {}
     for v in loop_eqn.invars[: p["n_consts"]]:
-        spec = spec_of.get(v) if isinstance(v, Var) else None
+        spec = spec_of.get(v) if _is_var(v) else None
         if spec is None:
             continue
         kept = []
@@ -469,3 +469,43 @@ def gather_specs(jaxpr, in_specs: list) -> dict:
         if kept != list(tuple(spec)):
             out[v] = PartitionSpec(*kept)
     return out
+
+
+def reduced_specs(jaxpr, in_specs: list, partial_axes: list) -> list:
+    """Per loop output kept partial over fsdp-like axes: the spec its once-per-step sum should
+    have (a reduce-scatter instead of an all-reduce), taken from the step input it meets first
+    in an after-loop equation of the same shape (the weight an optimizer updates with it, or
+    its moment); None where no such input uses those axes (left to XLA)."""
+    from jaxpp_integration.placement import split_at_loop
+
+    _, loop_eqn, after = split_at_loop(jaxpr)
+    spec_of = {v: sp for v, sp in zip(jaxpr.invars, in_specs) if tuple(sp)}
+    out = []
+    for v, axes in zip(loop_eqn.outvars, partial_axes):
+        found = None
+        if axes:
+            shape = tuple(v.aval.shape)
+            reach = {v}
+            for eqn in after:
+                if not any(_is_var(i) and i in reach for i in eqn.invars):
+                    continue
+                partner = [
+                    i
+                    for i in eqn.invars
+                    if _is_var(i) and i in spec_of and tuple(i.aval.shape) == shape
+                ]
+                if partner:
+                    found = spec_of[partner[0]]
+                    break
+                reach.update(o for o in eqn.outvars if tuple(o.aval.shape) == shape)
+        uses = found is not None and any(
+            a in axes
+            for entry in tuple(found)
+            for a in (entry if isinstance(entry, tuple) else (entry,))
+        )
+        out.append(found if uses else None)
+    return out
+
+
+def _is_var(v) -> bool:
+    return isinstance(v, Var) and not isinstance(v, Literal)

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpp_integration as jaxpp
 from jaxpp_integration.collectives import hlo_collectives, program_collectives, task_collectives
+from jaxpp_integration.program import Run
 
 
 def mlp_setup(num_stages, n_mb, width=16, mb_size=8, seed=0):
@@ -173,7 +174,8 @@ def test_fsdp_weights_gathered_once_per_step(n_mb):
     `pipeline_fsdp_ag_once` one `gather_r` task per stage gathers it once per step and no loop
     task gathers (the count does not depend on m). The gathered copies stay alive through the
     loop: the group's peak live bytes grow by at least the gathered half of its weights.
-    Results agree with the sharded jax.jit within 1e-6 per leaf (sums in another order)."""
+    The deferred gradient sum comes out split over fsdp like its weight. Results agree with
+    the sharded jax.jit within 1e-6 per leaf (sums in another order)."""
     ref, base, c_base = _fsdp_run(n_mb, False)
     ref, once, c_once = _fsdp_run(n_mb, True)
     assert_close_per_leaf(ref, base, rtol=1e-6)
@@ -182,6 +184,17 @@ def test_fsdp_weights_gathered_once_per_step(n_mb):
     assert loop(c_base) >= n_mb and loop(c_base) % n_mb == 0
     assert loop(c_once) == 0
     assert task_collectives(c_once, "gather_", "all-gather") == 2  # one per stage's weight
+    # the once-per-step sum comes out split like the weight it updates (a reduce-scatter on
+    # GPU; XLA:CPU writes it as all-reduce + slice), so the optimizer reads only its shard
+    for c in (c_base, c_once):
+        reduced = [
+            c.slot_sharding[s].spec
+            for ins in c.program.instrs
+            if isinstance(ins, Run) and ins.code.name.startswith("reduce_")
+            for s, aval in zip(ins.outs, [c.program.slot_aval[o] for o in ins.outs])
+            if aval.ndim == 2
+        ]
+        assert reduced == [P("fsdp"), P("fsdp")], reduced
     weight_bytes = 32 * 32 * 4
     for group in range(2):
         grown = c_once.last_memory.peak_bytes[group] - c_base.last_memory.peak_bytes[group]
