@@ -214,7 +214,9 @@ def _materialize(x: _V) -> _V:
 
 
 def _bind(eqn, vals):
-    out = eqn.primitive.bind(*vals, **eqn.params)
+    params = eqn.primitive.get_bind_params(eqn.params)  # e.g. shard_map's body as a function
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
