@@ -20,14 +20,14 @@ from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.train_step import build_trainer
 
 
-def _trainer(tmp_path, m, mode):
+def _trainer(tmp_path, m, mode, *extra):
     config = load_config(
         [
             str(CONFIGS_DIR / "base.yml"),
             *SMALL_MODEL,
             "global_batch_size=16",
             "pipeline_parallelism=2",
-            "ici_data_parallelism=2",
+            *(extra or ("ici_data_parallelism=2",)),
             f"num_pipeline_microbatches={m}",
             f"gradient_reduction={mode}",
             "steps=2",
@@ -63,3 +63,19 @@ def test_trainer_gradient_reduction_launches(tmp_path, m):
     np.testing.assert_allclose(
         _losses(config, step_mode), _losses(config, per_mb), rtol=1e-6, atol=0
     )
+
+
+@pytest.mark.slow
+def test_trainer_fsdp_weights_gathered_once(tmp_path):
+    """pipeline_parallelism=2 x ici_fsdp_parallelism=2, m=4, with pipeline_fsdp_ag_once=true:
+    no loop task all-gathers a weight, the gather_r tasks (one per stage) do; without the key
+    the loop tasks gather in every instance (a multiple of m). Independence of m is the engine
+    test's (tests/test_collectives.py). Losses agree to 1e-6 (both defer the gradient sums)."""
+    fsdp = ("ici_fsdp_parallelism=2",)
+    loop = lambda t: sum(task_collectives(t.train_step, p, "all-gather") for p in ("fwd", "bwd"))  # noqa: E731
+    config, once = _trainer(tmp_path, 4, "step", *fsdp, "pipeline_fsdp_ag_once=true")
+    _, base = _trainer(tmp_path, 4, "step", *fsdp)
+    assert loop(once) == 0
+    assert task_collectives(once.train_step, "gather_", "all-gather") > 0
+    assert loop(base) >= 4 and loop(base) % 4 == 0
+    np.testing.assert_allclose(_losses(config, once), _losses(config, base), rtol=1e-6, atol=0)
