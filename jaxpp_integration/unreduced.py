@@ -21,6 +21,11 @@ times its size), is summed first: that is today's per-microbatch all-reduce for 
 Call primitives (`pjit`, `checkpoint`, `closed_call`, custom derivatives, which after
 differentiation only evaluate) are inlined so gradients computed inside them can be deferred;
 `scan`/`while`/`cond` bodies are left alone (their outputs are reduced per microbatch).
+
+The same row tracking also answers two sharding questions for the program builder:
+`reduced_specs` (the spec a deferred sum should come out with: its weight's, so fsdp gets a
+reduce-scatter) and `gather_specs` (`pipeline_fsdp_ag_once`: what each fsdp-sharded weight is
+gathered to once per step).
 """
 
 from __future__ import annotations
