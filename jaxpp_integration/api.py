@@ -141,6 +141,7 @@ class CompiledMpmdFunction:
     consts: list
     schedule: Schedule
     local_ranks: frozenset = frozenset()
+    compile_stats: Any = None  # compile.CompileStats: XLA compiles vs executables loaded
     last_memory: MemoryReport | None = None
     last_events: list | None = None
     watchdog: Watchdog | None = None
@@ -263,6 +264,7 @@ class MpmdFunction:
         in_specs=None,
         out_specs=None,
         donate_argnums=(),
+        compile_threads: int = 0,
         gradient_reduction: str = "step",
         pipeline_hang_timeout_s: float | None = None,
         pipeline_fsdp_ag_once: bool = False,
@@ -289,6 +291,7 @@ class MpmdFunction:
         self.donate_argnums = tuple(
             (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
         )
+        self.compile_threads = int(compile_threads)
         self._compiled: CompiledMpmdFunction | None = None
 
     def compile(self, *args) -> CompiledMpmdFunction:
@@ -323,11 +326,15 @@ def mpmd_jit_with_loop(
     in_specs=None,
     out_specs=None,
     donate_argnums=(),
+    compile_threads=0,
     gradient_reduction="step",
     pipeline_hang_timeout_s=None,
     pipeline_fsdp_ag_once=False,
 ):
     """Pipelines the single `treduce` loop of `fn` over the groups of `mpmd_mesh`.
+
+    `compile_threads > 1` compiles independent task programs concurrently (for hosts with many
+    free cores, e.g. GPU hosts; on a 2-core CPU it does not pay, so the default is off).
 
     `gradient_reduction`: "step" (default) keeps the values `treduce` adds (gradients, loss
     sums, token counts) unreduced over the data axes on each device and reduces them once per
@@ -343,12 +350,13 @@ def mpmd_jit_with_loop(
     independent of the number of microbatches; the gathered copies stay alive through the
     loop and show in `last_memory`). Default False: each task gathers what it needs."""
     kw = dict(
-        pipeline_fsdp_ag_once=pipeline_fsdp_ag_once,
-        pipeline_hang_timeout_s=pipeline_hang_timeout_s,
         in_specs=in_specs,
         out_specs=out_specs,
         donate_argnums=donate_argnums,
+        compile_threads=compile_threads,
         gradient_reduction=gradient_reduction,
+        pipeline_hang_timeout_s=pipeline_hang_timeout_s,
+        pipeline_fsdp_ag_once=pipeline_fsdp_ag_once,
     )
     if fn is None:
         return lambda f: MpmdFunction(f, mpmd_mesh, **kw)
@@ -436,7 +444,9 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
     for j, slots in enumerate(prog.inputs):
         for r, s in slots.items():
             input_shardings[s] = mesh.sharding(r, input_specs[j])
-    executables, slot_sharding = compile_program(prog, mesh, input_shardings, cache={})
+    executables, slot_sharding, stats = compile_program(
+        prog, mesh, input_shardings, cache={}, compile_threads=f.compile_threads
+    )
     local = local_ranks(mesh)
     prepare(prog, slot_sharding, local)
     if jax.process_count() > 1:  # every process compiled everything: meet before the first step
@@ -464,6 +474,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         [np.asarray(c) for c in closed.consts],
         schedule,
         local,
+        stats,
         watchdog=_watchdog(f.pipeline_hang_timeout_s, prog, mesh, local),
     )
 
