@@ -72,15 +72,16 @@ def _run(setup, n_mb, mode, optimizer, schedule=None, steps=2):
 
 @pytest.mark.parametrize("n_mb", [4, 8])
 def test_step_reduction_launches_independent_of_m(n_mb):
-    """2-stage MLP on (stage=2, data=2), Std1F1B, batch P(None, "data"): with "microbatch" every
-    backward task instance all-reduces (2 per microbatch: 8 at m=4, 16 at m=8, the issue's
-    measurement) and results are bitwise; with "step" the loop tasks hold no all-reduce and one
-    `reduce_r` task per stage all-reduces once: 2 per step at any m."""
+    """2-stage MLP on (stage=2, data=2), Std1F1B, batch P(None, "data"): with "microbatch" each
+    microbatch all-reduces its loss sum (fwd_1) and each stage's gradient (bwd_1, bwd_0): 12 at
+    m=4, 24 at m=8, and results are bitwise; with "step" the loop tasks hold no all-reduce and
+    one `reduce_r` task per stage all-reduces once: 2 per step at any m, with the bytes of one
+    microbatch's reductions."""
     opt = optax.sgd(0.1)
     r_mb, p_mb, c_mb = _run(mlp_setup, n_mb, "microbatch", opt)
     assert_bitwise(r_mb, p_mb)
     per_step = program_collectives(c_mb)["all-reduce"]["launches"]
-    assert per_step == 2 * n_mb
+    assert per_step == 3 * n_mb
 
     r_st, p_st, c_st = _run(mlp_setup, n_mb, "step", opt)
     assert_close_per_leaf(r_st, p_st, rtol=1e-6)
@@ -104,8 +105,9 @@ def test_step_reduction_tied_embedding_clipping_zero_bubble():
     assert_close_per_leaf(r, p, rtol=1e-6)
     by_task = program_collectives(c)["by_task"]
     assert by_task["reduce_0"] == {"all-reduce": 1} and by_task["reduce_1"] == {"all-reduce": 1}
-    assert [k for k, v in by_task.items() if k.startswith("bwd") and v] == []
-    assert by_task["fwd_1"] == {"all-reduce": 1}  # the tied contribution stage 0 reads
+    in_loop = {k: v for k, v in by_task.items() if k.startswith(("fwd", "bwd")) and v}
+    [(task, counts)] = in_loop.items()  # only the task making the tied contribution reduces
+    assert task.startswith("bwd") and task.endswith("_1") and counts == {"all-reduce": 1}, task
     assert program_collectives(c)["all-reduce"]["launches"] == 4 + 2
 
 
