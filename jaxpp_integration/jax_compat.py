@@ -15,6 +15,20 @@ def source_line(eqn) -> str:
         return "<unknown source line>"
 
 
+def user_source_line(eqn, skip_dir: str) -> str:
+    """Like `source_line`, but also skips frames whose file lies under `skip_dir` (e.g. this
+    package, so a marker's equation names the model line that called `pipeline_enter_stage`)."""
+    try:
+        from jax._src import source_info_util
+
+        for frame in source_info_util.user_frames(eqn.source_info.traceback):
+            if not frame.file_name.startswith(skip_dir):
+                return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    except Exception:  # pragma: no cover - best effort across JAX versions
+        pass
+    return source_line(eqn)
+
+
 def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
     """`jax.shard_map` where it exists (newer JAX), else the experimental one. `check=False`
     turns off the replication check (for outputs equal across an axis by construction)."""

@@ -193,6 +193,8 @@ class _Builder:
             if not eqns:
                 for j in accs:
                     self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
+                    # a fresh host array made without an XLA compile (not a view of a device array,
+                    # which a Fill could alias)
                     init = self.ops[j].host_init(self.n_mb, body_out_avals[j])
                     self.instrs.append(Fill(self.acc_slot[j], r, init))
                 continue
@@ -279,9 +281,20 @@ class _Builder:
         for v, s in zip(task.outvars, outs):  # send right away, so the transfer overlaps
             for r in sorted(self.consumers.get(v, ())):
                 if r != rank:
-                    dst = self.new(r, v.aval, "value")  # "activation": a rank's own stage only
+                    dst = self.new(r, v.aval, self.received_kind(v, r))
                     self.instrs.append(Transfer(s, dst, rank, r))
                     self.mb_slot[(v, mb, r)] = dst
+
+    def received_kind(self, v, rank) -> str:
+        """A loop value received by `rank` is an activation if a forward task there reads it
+        (the previous stage's output, kept for the backward too); else (a cotangent, even one
+        the last stage's forward task made) a plain value."""
+        fwd_readers = {
+            self.schedule.stage_to_rank(stage)
+            for (stage, phase), task in self.body.tasks.items()
+            if phase is Phase.FWD and v in task.invars
+        }
+        return "activation" if rank in fwd_readers else "value"
 
     def after_loop(self) -> None:
         """Placed work per (segment, rank), inputs from other ranks transferred in first."""
