@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from MaxText.stage_balance import parse_stage_layers
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
@@ -72,6 +74,7 @@ class Config:
     pipeline_schedule: str
     num_pipeline_microbatches: int
     num_pipeline_repeats: int
+    pipeline_stage_layers: str
     # multi-host
     coordinator_address: str
     num_processes: int
@@ -333,6 +336,15 @@ def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def _stage_split(value: Any, num_layers: int, num_stages: int) -> tuple[int, ...] | str:
+    """`pipeline_stage_layers`: 'even', 'auto' (resolved by the trainer through the planner,
+    MaxText/stage_balance.py) or explicit counts per stage."""
+    try:
+        return parse_stage_layers(value, num_layers, num_stages)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _divisors(n: int) -> str:
     ds = [str(d) for d in range(1, n + 1) if n % d == 0]
     return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
@@ -470,6 +482,10 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
             f"set num_pipeline_repeats=2 (got {repeats})"
         )
     v["stage_layers"] = stage_layer_counts(v["num_decoder_layers"], num_stages)
+    split = _stage_split(v["pipeline_stage_layers"], v["num_decoder_layers"], num_stages)
+    if isinstance(split, tuple):
+        v["stage_layers"] = split
+    v["pipeline_stage_layers"] = split if isinstance(split, str) else ",".join(map(str, split))
 
     # batch
     if v["global_batch_size"] == 0:

@@ -101,6 +101,8 @@ class Plan:
     groups: list  # of GroupPlan
     predicted: dict  # step_time_s, bubble, mfu
     memory_bytes: float = 0.0  # per device, of the hardware planned for
+    stage_costs: Any = None  # stage_balance.StageCosts measured on this split (pipelined only)
+    compared: Any = None  # the even split's Plan when this one was balanced automatically
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -202,15 +204,18 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     no_temp = memory.replay(prog, nbytes)
 
     n = prog.mpmd_dim
-    params, opt = [0] * n, [0] * n
+    params, opt, layer_state = [0] * n, [0] * n, [0] * n
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((abstract_state, 0))[0]][:-1]
     for path, slots in zip(paths, prog.inputs):
         kind = _state_kind(path)
+        in_layer = any(str(getattr(k, "key", "")).startswith("layers") for k in path)
         for r, s in slots.items():
             if kind == "params":
                 params[r] += nbytes[s]
             elif kind == "optimizer":
                 opt[r] += nbytes[s]
+            if in_layer and kind != "batch":  # + its gradient accumulator for weights
+                layer_state[r] += nbytes[s] * (2 if kind == "params" else 1)
     zeros = (0,) * n
     groups = []
     for r in range(n):
@@ -249,7 +254,38 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     costs = Costs(transfer=transfer_bytes / (hardware.link_gbps * GB), per_task=per_task or None)
     sim = simulate(schedule, config.num_pipeline_microbatches, costs)
     step_time = sim.makespan + max(outside)
-    return _finish(config, hardware, groups, schedule, step_time, sim.bubble)
+    out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
+    stage_costs = _stage_costs(config, schedule, per_task, groups, layer_state)
+    return dataclasses.replace(out, stage_costs=stage_costs)
+
+
+def _stage_costs(config, schedule, per_task, groups, layer_state):
+    """The linear per-stage cost model `stage_balance` needs, read off this split's plan."""
+    from MaxText.stage_balance import StageCosts
+
+    layers = list(config.stage_layers)
+    num_stages = len(layers)
+    group_of = tuple(schedule.stage_to_rank(s) for s in range(num_stages))
+    stage_time = [
+        sum(t for (_, stage), t in per_task.items() if stage == s and t > 1e-6)
+        for s in range(num_stages)
+    ]
+    middle = range(1, num_stages - 1)
+    if middle:
+        per_layer = sum(stage_time[s] for s in middle) / sum(layers[s] for s in middle)
+    else:  # two stages: the embedding lookup is negligible next to the first stage's layers
+        per_layer = stage_time[0] / layers[0]
+    extra = tuple(max(0.0, stage_time[s] - layers[s] * per_layer) for s in range(num_stages))
+    layers_on = [0] * len(groups)
+    for s, g in enumerate(group_of):
+        layers_on[g] += layers[s]
+    state_per_layer = sum(layer_state) / sum(layers)
+    act_per_layer = tuple(groups[g].activation_bytes / layers_on[g] for g in group_of)
+    fixed = tuple(
+        g.peak_bytes - layers_on[i] * state_per_layer - g.activation_bytes
+        for i, g in enumerate(groups)
+    )
+    return StageCosts(per_layer, extra, state_per_layer, act_per_layer, fixed, group_of)
 
 
 def plan_spmd(config, hardware: Hardware) -> Plan:
@@ -320,10 +356,76 @@ def _finish(config, hardware, groups, schedule, step_time, bubble) -> Plan:
 
 
 def make_plan(config, hardware: Hardware) -> Plan:
-    """The plan for `config` (devices must already exist: see `main`)."""
-    if config.is_pipelined:
+    """The plan for `config` (devices must already exist: see `main`). With
+    `pipeline_stage_layers=auto` the even split is planned first, `stage_balance` picks the
+    split from its costs, and that split is planned (compiled) again; `.compared` holds the even
+    plan for the side-by-side view."""
+    if not config.is_pipelined:
+        return plan_spmd(config, hardware)
+    if config.pipeline_stage_layers != "auto":
         return plan_pipelined(config, hardware)
-    return plan_spmd(config, hardware)
+    even = plan_pipelined(config, hardware)
+    split = auto_stage_layers(config, even, hardware)
+    if split is None or list(split) == even.stage_layers:
+        return even
+    balanced = plan_pipelined(dataclasses.replace(config, stage_layers=split), hardware)
+    return dataclasses.replace(balanced, compared=even)
+
+
+def auto_stage_layers(config, even: Plan, hardware: Hardware):
+    """The balanced split for `config` from the even split's plan (None if nothing fits)."""
+    from MaxText.stage_balance import balance
+
+    return balance(even.stage_costs, config.num_decoder_layers, hardware.memory_bytes)
+
+
+def local_hardware(config) -> Hardware:
+    """The devices this process trains on, for the trainer's own planning (`auto` keys)."""
+    import jax
+
+    from MaxText.flops import peak_tflops
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return cpu_hardware(config.num_devices)
+    stats = device.memory_stats() or {}
+    kind = device.device_kind.lower()
+    base = next((h for name, h in HARDWARE.items() if name in kind), HARDWARE["h100"])
+    return dataclasses.replace(
+        base,
+        name=device.device_kind,
+        memory_bytes=float(stats.get("bytes_limit", base.memory_bytes)),
+        peak_tflops=peak_tflops(config, device.platform, device.device_kind).tflops,
+    )
+
+
+def resolve_stage_layers(config):
+    """`pipeline_stage_layers=auto`: the config with the planner's balanced split (logged next to
+    the even split); any other config unchanged."""
+    if not config.is_pipelined or config.pipeline_stage_layers != "auto":
+        return config
+    hardware = local_hardware(config)
+    even = plan_pipelined(config, hardware)
+    split = auto_stage_layers(config, even, hardware)
+    if split is None:
+        log.info(
+            "pipeline_stage_layers=auto: no split fits %s; keeping %s",
+            _size(hardware.memory_bytes),
+            even.stage_layers,
+        )
+        return config
+    log.info(
+        "pipeline_stage_layers=auto: %s (even split %s; predicted slowest stage %.3g s vs %.3g s)",
+        list(split),
+        even.stage_layers,
+        _slowest(even.stage_costs, split),
+        _slowest(even.stage_costs, even.stage_layers),
+    )
+    return dataclasses.replace(config, stage_layers=tuple(split))
+
+
+def _slowest(costs, split) -> float:
+    return max(costs.stage_seconds(s, n) for s, n in enumerate(split))
 
 
 # -------------------------------------------------------------------------------- command line
@@ -366,6 +468,15 @@ def format_plan(plan: Plan) -> str:
         f"predicted step {p['step_time_s']:.3f} s, bubble {100 * p['bubble']:.1f}%, "
         f"MFU {100 * p['mfu']:.1f}%"
     )
+    if plan.compared is not None:
+        e, a = plan.compared, plan
+        rows.append(
+            f"stage split: even {e.stage_layers} -> auto {a.stage_layers}: step "
+            f"{e.predicted['step_time_s']:.3f} s -> {a.predicted['step_time_s']:.3f} s "
+            f"({e.predicted['step_time_s'] / a.predicted['step_time_s']:.2f}x); largest peak "
+            f"{_size(max(g.peak_bytes for g in e.groups))} -> "
+            f"{_size(max(g.peak_bytes for g in a.groups))}"
+        )
     return "\n".join(rows)
 
 

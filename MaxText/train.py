@@ -184,6 +184,9 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    from MaxText.plan import resolve_stage_layers
+
+    config = resolve_stage_layers(config)  # pipeline_stage_layers=auto: plan, then balance
     mesh = sharding.make_mesh(config, devs)
     trainer = build_trainer(config, mesh)
     try:

@@ -50,7 +50,10 @@ def _param_bytes_per_stage(config) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pp2_plan():
-    config = _config("pipeline_parallelism=2", "num_pipeline_microbatches=4")
+    # an uneven split, so the per-stage reference below must follow `stage_layers`
+    config = _config(
+        "pipeline_parallelism=2", "num_pipeline_microbatches=4", "pipeline_stage_layers=1,3"
+    )
     hardware = plan.cpu_hardware(config.num_devices)
     return config, plan.make_plan(config, hardware)
 
@@ -84,6 +87,19 @@ def test_predicted_bubble_follows_the_schedule(pp2_plan):
     # 1F1B with p=2, m=4: the bubble is at least the uniform-stage formula's (p-1)/(m+p-1)
     # minus slack for unequal stages, and below GPipe's worst case of one idle rank
     assert 0.05 < pred["bubble"] < 0.5
+
+
+def test_auto_split_is_the_best_split_under_the_measured_costs(pp2_plan):
+    """`auto` balances with the costs measured on the planned split: its slowest stage is the
+    smallest any contiguous split reaches (brute force over every split)."""
+    config, p = pp2_plan
+    c = p.stage_costs
+    assert c.seconds_per_layer > 0 and len(c.extra_seconds) == 2
+    split = plan.auto_stage_layers(config, p, plan.cpu_hardware(config.num_devices))
+    best = min(max(c.stage_seconds(s, n) for s, n in enumerate((k, 4 - k))) for k in range(1, 4))
+    assert max(c.stage_seconds(s, n) for s, n in enumerate(split)) == pytest.approx(best)
+    # 1 layer on stage 0 vs 3 on stage 1 (which also runs the head) is not balanced
+    assert split != (1, 3)
 
 
 def test_spmd_plan_counts_all_parameters_on_one_group():
