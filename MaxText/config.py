@@ -39,8 +39,11 @@ PARALLELISM_KEYS = (
     "ici_pipeline_parallelism",
 )
 
+# Keys the trainer may resolve itself by planning (MaxText/plan.py) when set to "auto".
+AUTO_KEYS = ("num_pipeline_microbatches",)
+
 CHOICES: dict[str, tuple[str, ...]] = {
-    "pipeline_schedule": PIPELINE_SCHEDULES,
+    "pipeline_schedule": (*PIPELINE_SCHEDULES, "auto"),
     "decoder_block": ("llama", "gpt"),
     "dtype": ("float32", "bfloat16", "float16"),
     "weight_dtype": ("float32", "bfloat16", "float16"),
@@ -145,6 +148,10 @@ class Config:
     num_stages: int = _derived(1)  # pipeline stages = ici_pipeline_parallelism x repeats
     stage_layers: tuple[int, ...] = _derived(())  # decoder layers in each stage
     microbatch_size: int = _derived(1)  # global_batch_size / num_pipeline_microbatches
+    # "auto" keys, resolved by the trainer through the planner (MaxText/plan.py); until then the
+    # config holds the defaults they replace (1f1b; 2 x stages microbatches)
+    schedule_auto: bool = _derived(False)
+    microbatches_auto: bool = _derived(False)
     output_dir: str = _derived("")  # base_output_directory/run_name
     config_path: str = _derived("")  # the YAML file argv[0]
 
@@ -456,6 +463,12 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         )
 
     # pipeline
+    v["schedule_auto"] = v["pipeline_schedule"] == "auto"
+    if v["schedule_auto"]:
+        v["pipeline_schedule"] = "1f1b"
+    v["microbatches_auto"] = v["num_pipeline_microbatches"] == "auto"
+    if v["microbatches_auto"]:
+        v["num_pipeline_microbatches"] = -1
     repeats = v["num_pipeline_repeats"]
     schedule = v["pipeline_schedule"]
     num_stages = pp * repeats
@@ -563,7 +576,9 @@ def load_config(argv: Sequence[str]) -> Config:
             f"{' ...' if len(missing) > 5 else ''}; add `base_config: base.yml` to inherit defaults"
         )
     typed = {
-        key: _coerce(key, value, _field_type(key_fields()[key]), source)
+        key: value
+        if key in AUTO_KEYS and value == "auto"
+        else _coerce(key, value, _field_type(key_fields()[key]), source)
         for key, (value, source) in values.items()
     }
     return Config(**_validate_and_derive(typed, config_path))

@@ -102,6 +102,7 @@ class Plan:
     predicted: dict  # step_time_s, bubble, mfu
     memory_bytes: float = 0.0  # per device, of the hardware planned for
     stage_costs: Any = None  # stage_balance.StageCosts measured on this split (pipelined only)
+    baseline: Any = None  # schedule_choice.Baseline measured on this configuration
     compared: Any = None  # the even split's Plan when this one was balanced automatically
 
     def as_json(self) -> dict[str, Any]:
@@ -256,7 +257,37 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     step_time = sim.makespan + max(outside)
     out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
     stage_costs = _stage_costs(config, schedule, per_task, groups, layer_state)
-    return dataclasses.replace(out, stage_costs=stage_costs)
+    baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
+    return dataclasses.replace(out, stage_costs=stage_costs, baseline=baseline)
+
+
+def _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside):
+    """What `schedule_choice` needs from this plan (see its module docstring)."""
+    from jaxpp_integration.schedules import Phase
+    from MaxText.schedule_choice import Baseline
+
+    fwd = sum(t for (phase, _), t in per_task.items() if phase is Phase.FWD and t > 1e-6)
+    total = sum(t for t in per_task.values() if t > 1e-6)
+    layers = list(config.stage_layers)
+    stages0 = [s for s in range(len(layers)) if schedule.stage_to_rank(s) == 0]
+    mean0 = sum(layers[s] for s in stages0) / len(stages0)
+    live0 = max(sim.peak_live_activations[0], 1)
+    return Baseline(
+        num_groups=len(groups),
+        num_layers=config.num_decoder_layers,
+        microbatches=config.num_pipeline_microbatches,
+        global_batch=config.global_batch_size,
+        data_parallel=config.data_parallel_devices,
+        seconds_per_layer=stage_costs.seconds_per_layer,
+        first_extra_s=stage_costs.extra_seconds[0],
+        last_extra_s=stage_costs.extra_seconds[-1],
+        fwd_fraction=fwd / total if total else 1 / 3,
+        transfer_s=costs.transfer,
+        outside_s=max(outside),
+        activation_bytes_per_layer=groups[0].activation_bytes / (live0 * mean0),
+        other_bytes=tuple(g.peak_bytes - g.activation_bytes - g.temp_bytes for g in groups),
+        temp_bytes=tuple(g.temp_bytes for g in groups),
+    )
 
 
 def _stage_costs(config, schedule, per_task, groups, layer_state):
@@ -399,29 +430,75 @@ def local_hardware(config) -> Hardware:
     )
 
 
-def resolve_stage_layers(config):
-    """`pipeline_stage_layers=auto`: the config with the planner's balanced split (logged next to
-    the even split); any other config unchanged."""
-    if not config.is_pipelined or config.pipeline_stage_layers != "auto":
+def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None):
+    """`pipeline_schedule=auto` / `num_pipeline_microbatches=auto`: the config with the fastest
+    predicted (schedule, virtual stages, microbatches) that fits (`schedule_choice`, from one plan
+    of the defaults), logged with the runner-up. The choice is appended to `argv` and the config
+    loaded again, so it is validated like a typed one."""
+    from MaxText.config import load_config
+    from MaxText.schedule_choice import choose, microbatch_options
+
+    if not (config.is_pipelined and (config.schedule_auto or config.microbatches_auto)):
         return config
-    hardware = local_hardware(config)
-    even = plan_pipelined(config, hardware)
-    split = auto_stage_layers(config, even, hardware)
+    base = base or plan_pipelined(config, hardware)
+    schedules = _all_schedules() if config.schedule_auto else [config.pipeline_schedule]
+    if config.microbatches_auto:
+        counts = microbatch_options(base.baseline)
+    else:
+        counts = [config.num_pipeline_microbatches]
+    ranked = choose(base.baseline, hardware.memory_bytes, schedules, counts)
+    if not ranked:
+        log.info("auto schedule: no candidate for this batch; keeping %s", config.pipeline_schedule)
+        return config
+    log.info("auto schedule: %s", ranked[0].describe())
+    if len(ranked) > 1:
+        log.info("runner-up: %s", ranked[1].describe())
+    best = ranked[0]
+    return load_config(
+        [
+            *argv,
+            f"pipeline_schedule={best.schedule}",
+            f"num_pipeline_repeats={best.repeats}",
+            f"num_pipeline_microbatches={best.microbatches}",
+        ]
+    )
+
+
+def resolve_auto(argv, config, hardware: Hardware | None = None):
+    """The trainer's config with every "auto" key decided: the schedule and microbatches first
+    (`resolve_schedule`), then `pipeline_stage_layers=auto` from a plan of that schedule."""
+    if not config.is_pipelined:
+        return config
+    needs_schedule = config.schedule_auto or config.microbatches_auto
+    if not needs_schedule and config.pipeline_stage_layers != "auto":
+        return config
+    hardware = hardware or local_hardware(config)
+    config = resolve_schedule(argv, config, hardware)
+    if config.pipeline_stage_layers != "auto":
+        return config
+    base = plan_pipelined(config, hardware)
+    split = auto_stage_layers(config, base, hardware)
     if split is None:
         log.info(
-            "pipeline_stage_layers=auto: no split fits %s; keeping %s",
+            "pipeline_stage_layers=auto: no split fits %s per device; keeping %s",
             _size(hardware.memory_bytes),
-            even.stage_layers,
+            base.stage_layers,
         )
         return config
     log.info(
         "pipeline_stage_layers=auto: %s (even split %s; predicted slowest stage %.3g s vs %.3g s)",
         list(split),
-        even.stage_layers,
-        _slowest(even.stage_costs, split),
-        _slowest(even.stage_costs, even.stage_layers),
+        base.stage_layers,
+        _slowest(base.stage_costs, split),
+        _slowest(base.stage_costs, base.stage_layers),
     )
     return dataclasses.replace(config, stage_layers=tuple(split))
+
+
+def _all_schedules() -> list[str]:
+    from MaxText.config import PIPELINE_SCHEDULES
+
+    return list(PIPELINE_SCHEDULES)
 
 
 def _slowest(costs, split) -> float:
@@ -511,6 +588,11 @@ def main(argv=None) -> int:
         "efficiency": args.efficiency,
     }
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
+    try:
+        config = resolve_schedule(rest, config, hardware)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     plan = make_plan(config, hardware)
     print(format_plan(plan))
     if args.json_path:

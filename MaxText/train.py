@@ -184,9 +184,9 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    from MaxText.plan import resolve_stage_layers
+    from MaxText.plan import resolve_auto
 
-    config = resolve_stage_layers(config)  # pipeline_stage_layers=auto: plan, then balance
+    config = resolve_auto(argv, config)  # "auto" schedule, microbatches, stage split
     mesh = sharding.make_mesh(config, devs)
     trainer = build_trainer(config, mesh)
     try:

@@ -144,3 +144,26 @@ def test_command_exit_codes_and_json(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("group ")]
     assert len(err) == 2 and all("per device but h100 has 1 KB (" in line for line in err)
     assert plan.main([*BASE, "pipeline_parallelism=3"]) == 2
+
+
+def test_trainer_resolves_auto_schedule_microbatches_and_split(caplog):
+    """The trainer's `resolve_auto`: one plan of the defaults decides schedule and microbatch
+    count (logged with the runner-up), a plan of that schedule the stage split; the result is a
+    validated config the trainer can build."""
+    argv = [
+        *BASE,
+        "pipeline_parallelism=2",
+        "pipeline_schedule=auto",
+        "num_pipeline_microbatches=auto",
+        "pipeline_stage_layers=auto",
+    ]
+    config = _config(*argv[1:])
+    caplog.set_level("INFO", logger="MaxText")
+    got = plan.resolve_auto(argv, config, plan.cpu_hardware(config.num_devices))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("auto schedule: ") for line in lines), lines
+    assert any(line.startswith("runner-up: ") for line in lines), lines
+    assert any(line.startswith("pipeline_stage_layers=auto: ") for line in lines), lines
+    assert not got.schedule_auto and not got.microbatches_auto
+    assert got.global_batch_size % (got.num_pipeline_microbatches * got.data_parallel_devices) == 0
+    assert sum(got.stage_layers) == 4 and len(got.stage_layers) == got.num_stages
