@@ -294,17 +294,16 @@ class _Builder:
             eqns = _dce(self.placement.free_eqns, missing) + eqns
             reads = _reads(eqns)
             ins = tuple(self.on_rank(v, r) for v in reads)
-            # export only what other tasks or the step's outputs read; the rest stays fused
-            mine = {id(e) for e in eqns}
-            read_elsewhere = {
-                v
-                for (k2, r2), other in groups.items()
-                if (k2, r2) != (k, r)
-                for e in other
-                if id(e) not in mine or r2 != r
-                for v in e.invars
-                if isinstance(v, Var)
-            }
+            # export only what other tasks read from outside themselves (a recomputed
+            # elementwise copy there still reads its inputs) or the step's outputs; the rest
+            # stays fused
+            read_elsewhere = set()
+            for key2, other in groups.items():
+                if key2 != (k, r):
+                    made = {o for e in other for o in e.outvars}
+                    read_elsewhere.update(
+                        v for e in other for v in e.invars if isinstance(v, Var) and v not in made
+                    )
             produced = [o for e in eqns for o in e.outvars if o in read_elsewhere or o in step_outs]
             outs = []
             for o in produced:

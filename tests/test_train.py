@@ -266,7 +266,7 @@ def test_pipeline_matches_unpipelined(unpipelined_m4, tmp_path, pp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b"])  # dualpipev also passes (20 s more)
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev"])
 def test_virtual_stages_match_unpipelined(unpipelined_m4, tmp_path, schedule):
     """num_pipeline_repeats=2: 4 stages of one layer on 2 groups; same bound and reason as above."""
     got = train(
