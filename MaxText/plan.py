@@ -190,7 +190,8 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
         donate_argnums=(0,),
     )
     t0 = time.perf_counter()
-    compiled = fn.compile(abstract_state, ts._batch_shapes(config))
+    with sharding.axis_rules():  # as the trainer compiles it
+        compiled = fn.compile(abstract_state, ts._batch_shapes(config))
     log.info("plan: step compiled on abstract inputs in %.1f s", time.perf_counter() - t0)
     prog = compiled.program
     nbytes = memory.shard_bytes(prog, compiled.slot_sharding)

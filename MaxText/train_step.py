@@ -323,7 +323,8 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         {k: np.zeros(v.shape, v.dtype) for k, v in _batch_shapes(config).items()}
     )
     first_state = [init_state()]  # compiling does not consume it: hand it to the loop once
-    compiled = pipelined.compile(first_state[0], example_batch)
+    with sharding.axis_rules():  # activation constraints: batch-sharded inside each stage
+        compiled = pipelined.compile(first_state[0], example_batch)
     compile_seconds = time.perf_counter() - t0
     fresh_state = init_state
 
@@ -340,7 +341,8 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     def eval_step(params, batch):
         # Compiled at the first evaluation (every process alike: the engine meets at a barrier
         # after compiling). fetch: the sums live on the last group, maybe another process's.
-        return jaxpp.fetch(eval_pipelined(params, batch))
+        with sharding.axis_rules():  # traced at the first call
+            return jaxpp.fetch(eval_pipelined(params, batch))
 
     eval_step.pipelined = eval_pipelined  # for inspection (tests, benchmarks)
 

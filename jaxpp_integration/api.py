@@ -296,7 +296,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
 
     with pipelined_tracing(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        with mesh.lowering_mesh():
+        with mesh.lowering_mesh(), jax.set_mesh(mesh.lowering_mesh()):
             closed, out_shape = jax.make_jaxpr(lambda *a: flat_fn(*a), return_shape=True)(*avals)
     out_tree = jax.tree.structure(out_shape)
     jaxpr = closed.jaxpr

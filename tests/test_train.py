@@ -344,6 +344,27 @@ def test_pipeline_with_fsdp_inside_stages(unpipelined_m4, tmp_path):
     assert_same_training(unpipelined_m4, got, 1e-5, 1e-5, 1e-4)
 
 
+def test_fsdp_inside_stages_splits_the_microbatch(tmp_path):
+    """Data parallelism inside a stage: with ici_fsdp_parallelism=2 every device of a group
+    computes half of each microbatch, so the hidden state a stage sends to the next is split
+    along the batch (the trainer's activation constraints hold inside pipeline stages too).
+    Reference: the microbatch size over the fsdp axis, from the config alone."""
+    from jaxpp_integration.program import Transfer
+
+    config, trainer = build(
+        tmp_path, "pipeline_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4"
+    )
+    prog, sh = trainer.train_step.program, trainer.train_step.slot_sharding
+    hidden = (config.microbatch_size, config.max_target_length, config.emb_dim)
+    sent = [
+        t for t in prog.instrs if isinstance(t, Transfer) and prog.slot_aval[t.dst].shape == hidden
+    ]
+    assert sent, "no stage-boundary hidden state was sent between groups"
+    for t in sent:
+        for slot in (t.src, t.dst):
+            assert sh[slot].shard_shape(hidden)[0] == config.microbatch_size // 2, sh[slot]
+
+
 @pytest.mark.slow
 def test_train_py_pipelined_emulates_devices(tmp_path):
     """A fresh CPU process asked for pipeline_parallelism=2 emulates 2 devices, says so once."""
