@@ -48,7 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16", "float16"),
     "weight_dtype": ("float32", "bfloat16", "float16"),
     "remat_policy": ("none", "full", "minimal", "save_qkv_proj", "save_dot_except_mlp"),
-    "dataset_type": ("text", "synthetic", "tfds"),
+    "dataset_type": ("text", "synthetic", "tfds", "grain"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk"),
 }
 
@@ -127,13 +127,21 @@ class Config:
     async_checkpointing: bool
     max_num_checkpoints_to_keep: int
     load_parameters_path: str
-    # data
+    # ---- data (MaxText names; validated by `_validate_data`)
     dataset_type: str
     dataset_path: str
     dataset_name: str
-    dataset_split: str
+    train_split: str
+    eval_split: str
     tokenizer_path: str
+    tokenizer_type: str
     eval_split_fraction: float
+    data_shuffle_seed: int
+    packing: bool
+    grain_train_files: str
+    grain_eval_files: str
+    grain_worker_count: int
+    # ---- end of data
     # generation
     prompt: str
     max_prefill_predict_length: int
@@ -430,6 +438,7 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         raise ConfigError(
             f"process_id={v['process_id']} must be < num_processes={v['num_processes']}"
         )
+    _validate_data(v)
     _resolve_parallelism(v, None)
     pp = v["ici_pipeline_parallelism"]
     dp = v["ici_data_parallelism"] * v["ici_fsdp_parallelism"]
@@ -544,6 +553,45 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     v["output_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
     v["config_path"] = str(config_path)
     return v
+
+
+# ------------------------------------------------------------------------------------ data keys
+
+# MaxText's tokenizer_type values this trainer does not read, with the reason.
+UNSUPPORTED_TOKENIZER_TYPES = {
+    "huggingface": "only sentencepiece models are read (tokenizer_path=*.model)",
+    "tiktoken": "only sentencepiece models are read (tokenizer_path=*.model)",
+}
+
+
+def _validate_data(v: dict[str, Any]) -> None:
+    """The data block's checks (dataset_type is checked with the other choices)."""
+    if v["tokenizer_type"] in UNSUPPORTED_TOKENIZER_TYPES:
+        raise ConfigError(
+            f"tokenizer_type={v['tokenizer_type']} is not supported here: "
+            f"{UNSUPPORTED_TOKENIZER_TYPES[v['tokenizer_type']]}"
+        )
+    if v["tokenizer_type"] != "sentencepiece":
+        raise ConfigError(f"tokenizer_type={v['tokenizer_type']} is not one of sentencepiece")
+    if v["grain_worker_count"] < 0:
+        raise ConfigError(f"grain_worker_count={v['grain_worker_count']}: must be >= 0")
+    if v["dataset_type"] == "grain" and not v["grain_train_files"]:
+        raise ConfigError(
+            "dataset_type=grain needs grain_train_files= (a glob of *.array_record shards written "
+            "by python -m MaxText.data.prepare)"
+        )
+    if v["dataset_type"] == "grain" and v["eval_interval"] > 0 and not v["grain_eval_files"]:
+        raise ConfigError(
+            f"eval_interval={v['eval_interval']} needs held-out data: set grain_eval_files= (e.g. "
+            "the eval-*.array_record of prepare --eval_fraction) or eval_interval=0"
+        )
+    if not v["train_split"]:
+        raise ConfigError("train_split= must name a split (MaxText's default: train)")
+    if not v["packing"] and v["dataset_type"] in ("text", "tfds"):
+        raise ConfigError(
+            f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
+            "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )
 
 
 def load_config(argv: Sequence[str]) -> Config:
