@@ -89,6 +89,7 @@ class GroupPlan:
     activation_bytes: int
     temp_bytes: int
     peak_bytes: int
+    live_peak_bytes: int = 0  # peak without XLA temporaries (what device buffers show)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,10 @@ class Plan:
             "stage_layers": list(self.stage_layers),
             "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
-            "groups": [dataclasses.asdict(g) for g in self.groups],
+            "groups": [
+                {k: v for k, v in dataclasses.asdict(g).items() if k != "live_peak_bytes"}
+                for g in self.groups
+            ],
             "predicted": dict(self.predicted),
         }
 
@@ -163,10 +167,7 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     from jax.sharding import PartitionSpec
 
     import jaxpp_integration as jaxpp
-    from jaxpp_integration import memory
-    from jaxpp_integration.program import Run, Transfer
-    from jaxpp_integration.schedules import Phase, schedule_from_name
-    from jaxpp_integration.simulate import Costs, simulate
+    from jaxpp_integration.schedules import schedule_from_name
     from MaxText import sharding
     from MaxText import train_step as ts
     from MaxText.model import Decoder
@@ -181,7 +182,7 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
         config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
     )
     step = ts.make_train_step(config, model, optimizer, lr, schedule=schedule)
-    batch_specs = {k: sharding.batch_spec() for k in ts.BATCH_KEYS}
+    batch_specs = {k: sharding.batch_spec() for k in ts.batch_keys(config)}
     fn = jaxpp.mpmd_jit_with_loop(
         step,
         mpmd_mesh=mpmd_mesh,
@@ -193,6 +194,20 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     with sharding.axis_rules():  # as the trainer compiles it
         compiled = fn.compile(abstract_state, ts._batch_shapes(config))
     log.info("plan: step compiled on abstract inputs in %.1f s", time.perf_counter() - t0)
+    return plan_compiled(config, hardware, compiled, abstract_state)
+
+
+def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
+    """The plan read off an already compiled pipelined step (the planner's abstract one, or the
+    trainer's own `trainer.train_step`, as the validation against measured bytes does)."""
+    import jax
+
+    from jaxpp_integration import memory
+    from jaxpp_integration.program import Run, Transfer
+    from jaxpp_integration.schedules import Phase
+    from jaxpp_integration.simulate import Costs, simulate
+
+    schedule = compiled.schedule
     prog = compiled.program
     nbytes = memory.shard_bytes(prog, compiled.slot_sharding)
 
@@ -202,8 +217,7 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
             exe = compiled.executables[idx]
             temp[idx] = int(exe.memory_analysis().temp_size_in_bytes)
             seconds[idx] = hardware.task_seconds(*_cost(exe))
-    peaks = memory.replay(prog, nbytes, temp)
-    no_temp = memory.replay(prog, nbytes)
+    peaks = memory.replay(prog, nbytes, temp_bytes=temp)
 
     n = prog.mpmd_dim
     params, opt, layer_state = [0] * n, [0] * n, [0] * n
@@ -227,10 +241,11 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
                 group=r,
                 params_bytes=params[r],
                 optimizer_bytes=opt[r],
-                grad_bytes=no_temp.peak_by_kind.get("acc", zeros)[r],
-                activation_bytes=no_temp.peak_by_kind.get("activation", zeros)[r],
+                grad_bytes=peaks.peak_by_kind.get("acc", zeros)[r],
+                activation_bytes=peaks.peak_activation_bytes[r],
                 temp_bytes=group_temp,
-                peak_bytes=peaks.peak_bytes[r],
+                peak_bytes=peaks.peak_with_temp_bytes[r],
+                live_peak_bytes=peaks.peak_bytes[r],
             )
         )
 

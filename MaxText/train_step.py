@@ -409,3 +409,32 @@ def evaluate(trainer: Trainer, params, batches: Iterable[dict[str, np.ndarray]],
         tokens += float(np.asarray(out["tokens"]))
         n += 1
     return total / max(tokens, 1.0), n
+
+
+def measured_train_step(trainer: Trainer, state, batch):
+    """One train step that also measures the peak bytes per device of each pipeline group:
+    `(state, metrics, [peak per group])`. Pipelined: the device buffers alive after every
+    instruction of the step (`jaxpp_integration.runtime.measuring_device_bytes`; it waits for
+    each task, so this step runs slower), the largest device of each group. SPMD: the backend's
+    `peak_bytes_in_use` where it reports memory stats (GPU), else None."""
+    from jaxpp_integration.runtime import measuring_device_bytes
+
+    if trainer.mpmd_mesh is None:
+        state, metrics = trainer.train_step(state, batch)
+        stats = [d.memory_stats() for d in trainer.mesh.devices.flat]
+        if all(s and "peak_bytes_in_use" in s for s in stats):
+            return state, metrics, [max(int(s["peak_bytes_in_use"]) for s in stats)]
+        return state, metrics, None
+    with measuring_device_bytes() as probe:
+        state, metrics = trainer.train_step(state, batch)
+        jax.block_until_ready(metrics)
+    groups = [
+        [d.id for d in trainer.mpmd_mesh.unstack[g].devices.flat]
+        for g in range(trainer.mpmd_mesh.mpmd_dim)
+    ]
+    (after_each,) = probe.steps
+    peaks = [
+        max((max(after.get(d, 0) for d in ids) for after in after_each), default=0)
+        for ids in groups
+    ]
+    return state, metrics, peaks

@@ -24,11 +24,12 @@ from jaxpp_integration.compile import compile_program
 from jaxpp_integration.fetch import fetch
 from jaxpp_integration.jax_compat import wait_at_barrier
 from jaxpp_integration.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
+from jaxpp_integration.memory import MemoryReport
 from jaxpp_integration.mesh import MpmdMesh
 from jaxpp_integration.reductions import Add, Concat, Max
 from jaxpp_integration.render import render_program
 from jaxpp_integration.reshard import mpmd_to_spmd_reshard
-from jaxpp_integration.runtime import MemoryReport, execute, prepare
+from jaxpp_integration.runtime import execute, prepare
 from jaxpp_integration.schedules import (
     DualPipeV,
     Eager1F1B,
