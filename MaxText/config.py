@@ -44,6 +44,7 @@ AUTO_KEYS = ("num_pipeline_microbatches",)
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline_schedule": (*PIPELINE_SCHEDULES, "auto"),
+    "gradient_reduction": ("step", "microbatch"),
     "decoder_block": ("llama", "gpt"),
     "dtype": ("float32", "bfloat16", "float16"),
     "weight_dtype": ("float32", "bfloat16", "float16"),
@@ -78,6 +79,10 @@ class Config:
     num_pipeline_microbatches: int
     num_pipeline_repeats: int
     pipeline_stage_layers: str
+    # pipeline communication
+    gradient_reduction: str
+    pipeline_hang_timeout_s: float
+    pipeline_fsdp_ag_once: bool
     # multi-host
     coordinator_address: str
     num_processes: int
@@ -424,7 +429,8 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     for key in ("steps", "global_batch_size", "head_dim", "process_id"):
         if v[key] < 0:
             raise ConfigError(f"{key}={v[key]}: must be >= 0")
-    for key in ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay"):
+    nonneg = ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay")
+    for key in (*nonneg, "pipeline_hang_timeout_s"):
         if v[key] < 0:
             raise ConfigError(f"{key}={v[key]}: must be >= 0")
     for key in ("warmup_steps_fraction", "learning_rate_final_fraction", "adam_b1", "adam_b2"):

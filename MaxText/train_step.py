@@ -346,6 +346,9 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         in_specs=(specs, batch_specs),
         out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
         donate_argnums=(0,),
+        gradient_reduction=config.gradient_reduction,
+        pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
+        pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
     )
 
     def put_batch(batch):

@@ -37,12 +37,15 @@ def execute(
     record_times=False,
     local_ranks=None,
     mpmd_axis=None,
+    watchdog=None,
 ):
     """Runs `prog`. `inputs` maps input slots to arrays already on their groups.
 
     Multi-controller: only `local_ranks` run here; a transfer between a local and a remote group
     is a collective both processes issue in program order. The byte accounting is kept for
-    every group alike (it is computed from shapes, not read off devices)."""
+    every group alike (it is computed from shapes, not read off devices). A `watchdog`
+    (several processes, `pipeline_hang_timeout_s`) is told each instruction as it is dispatched
+    and is handed every cross-process transfer's result."""
     if local_ranks is None:
         local_ranks = frozenset(range(prog.mpmd_dim))
     regs: list = [None] * len(prog.slot_rank)
@@ -51,10 +54,14 @@ def execute(
     for s, v in prog.constants_on_device.items():
         regs[s] = v
     events = []
+    if watchdog is not None:
+        watchdog.start()
     probe = _DEVICE_PROBE.get()
     if probe is not None:
         probe.begin(inputs.values())
     for idx, ins in enumerate(prog.instrs):
+        if watchdog is not None:
+            watchdog.enter(idx)
         if isinstance(ins, Run) and ins.code.rank in local_ranks:
             t0 = time.perf_counter() if record_times else 0.0
             outs = executables[idx](*[regs[s] for s in ins.ins])
@@ -81,6 +88,7 @@ def execute(
                     slot_sharding[ins.dst],
                     prog.slot_aval[ins.dst],
                     mpmd_axis,
+                    on_issue=None if watchdog is None else lambda a, i=idx: watchdog.watch(i, a),
                 )
         elif isinstance(ins, Fill):
             if ins.rank in local_ranks:  # a fresh buffer (on CPU it could alias host memory
@@ -93,6 +101,8 @@ def execute(
             regs[ins.slot] = None
         if probe is not None:
             probe.record()
+    if watchdog is not None:
+        watchdog.leave()
     outputs = [{r: regs[s] for r, s in slots.items()} for slots in prog.outputs]
     report = memory.replay(prog, prog.slot_bytes, input_slots=inputs)
     return outputs, report, events
@@ -161,6 +171,7 @@ def prepare(prog: Program, slot_sharding, local_ranks) -> None:
     """Puts the program's constants on this process's groups once, sizes every slot, and groups
     runs of consecutive local transfers so each run is one copy call."""
     prog.slot_bytes = [memory.slot_nbytes(a) for a in prog.slot_aval]
+    prog.slot_producer = {s: ins for ins in prog.instrs if isinstance(ins, Run) for s in ins.outs}
     prog.transfer_batches = {}
     start = None
     for idx, ins in enumerate(prog.instrs):
