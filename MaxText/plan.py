@@ -164,10 +164,7 @@ def _cost(executable) -> tuple[float, float]:
 
 def plan_pipelined(config, hardware: Hardware) -> Plan:
     import jax
-    from jax.sharding import PartitionSpec
 
-    import jaxpp_integration as jaxpp
-    from jaxpp_integration.schedules import schedule_from_name
     from MaxText import sharding
     from MaxText import train_step as ts
     from MaxText.model import Decoder
@@ -177,19 +174,7 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     model = Decoder(config)
     optimizer, lr = make_optimizer(config)
     abstract_state, specs = ts.state_specs(config, model, optimizer)
-    mpmd_mesh = sharding.make_mpmd_mesh(mesh)
-    schedule = schedule_from_name(
-        config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
-    )
-    step = ts.make_train_step(config, model, optimizer, lr, schedule=schedule)
-    batch_specs = {k: sharding.batch_spec() for k in ts.batch_keys(config)}
-    fn = jaxpp.mpmd_jit_with_loop(
-        step,
-        mpmd_mesh=mpmd_mesh,
-        in_specs=(specs, batch_specs),
-        out_specs=(specs, {k: PartitionSpec() for k in ts.METRIC_KEYS}),
-        donate_argnums=(0,),
-    )
+    fn = ts.pipelined_train_step(config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh))
     t0 = time.perf_counter()
     with sharding.axis_rules():  # as the trainer compiles it
         compiled = fn.compile(abstract_state, ts._batch_shapes(config))

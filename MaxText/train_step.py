@@ -326,6 +326,26 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     )
 
 
+def pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh):
+    """The trainer's step under `mpmd_jit_with_loop` (not compiled yet); the planner compiles
+    the very same function on abstract inputs."""
+    from jaxpp_integration.schedules import schedule_from_name
+
+    schedule = schedule_from_name(
+        config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
+    )
+    return jaxpp.mpmd_jit_with_loop(
+        make_train_step(config, model, optimizer, lr_schedule, schedule=schedule),
+        mpmd_mesh=mpmd_mesh,
+        in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}),
+        out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
+        donate_argnums=(0,),
+        gradient_reduction=config.gradient_reduction,
+        pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
+        pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
+    )
+
+
 def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> Trainer:
     from jaxpp_integration.schedules import schedule_from_name
 
@@ -339,17 +359,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     first_group = mpmd_mesh.unstack[min(jaxpp.api.local_ranks(mpmd_mesh))]
     init_state, state_shardings = _init_on(first_group, config, model, optimizer, specs)
     batch_specs = {k: sharding.batch_spec() for k in batch_keys(config)}
-    step = make_train_step(config, model, optimizer, lr_schedule, schedule=schedule)
-    pipelined = jaxpp.mpmd_jit_with_loop(
-        step,
-        mpmd_mesh=mpmd_mesh,
-        in_specs=(specs, batch_specs),
-        out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
-        donate_argnums=(0,),
-        gradient_reduction=config.gradient_reduction,
-        pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
-        pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
-    )
+    pipelined = pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh)
 
     def put_batch(batch):
         # host arrays: the engine copies each to the groups that read it (first and last stage)
