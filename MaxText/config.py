@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from MaxText.stage_balance import parse_stage_layers
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
@@ -37,8 +39,12 @@ PARALLELISM_KEYS = (
     "ici_pipeline_parallelism",
 )
 
+# Keys the trainer may resolve itself by planning (MaxText/plan.py) when set to "auto".
+AUTO_KEYS = ("num_pipeline_microbatches",)
+
 CHOICES: dict[str, tuple[str, ...]] = {
-    "pipeline_schedule": PIPELINE_SCHEDULES,
+    "pipeline_schedule": (*PIPELINE_SCHEDULES, "auto"),
+    "gradient_reduction": ("step", "microbatch"),
     "decoder_block": ("llama", "gpt"),
     "dtype": ("float32", "bfloat16", "float16"),
     "weight_dtype": ("float32", "bfloat16", "float16"),
@@ -72,6 +78,11 @@ class Config:
     pipeline_schedule: str
     num_pipeline_microbatches: int
     num_pipeline_repeats: int
+    pipeline_stage_layers: str
+    # pipeline communication
+    gradient_reduction: str
+    pipeline_hang_timeout_s: float
+    pipeline_fsdp_ag_once: bool
     # multi-host
     coordinator_address: str
     num_processes: int
@@ -156,6 +167,10 @@ class Config:
     num_stages: int = _derived(1)  # pipeline stages = ici_pipeline_parallelism x repeats
     stage_layers: tuple[int, ...] = _derived(())  # decoder layers in each stage
     microbatch_size: int = _derived(1)  # global_batch_size / num_pipeline_microbatches
+    # "auto" keys, resolved by the trainer through the planner (MaxText/plan.py); until then the
+    # config holds the defaults they replace (1f1b; 2 x stages microbatches)
+    schedule_auto: bool = _derived(False)
+    microbatches_auto: bool = _derived(False)
     output_dir: str = _derived("")  # base_output_directory/run_name
     config_path: str = _derived("")  # the YAML file argv[0]
 
@@ -347,6 +362,15 @@ def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def _stage_split(value: Any, num_layers: int, num_stages: int) -> tuple[int, ...] | str:
+    """`pipeline_stage_layers`: 'even', 'auto' (resolved by the trainer through the planner,
+    MaxText/stage_balance.py) or explicit counts per stage."""
+    try:
+        return parse_stage_layers(value, num_layers, num_stages)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _divisors(n: int) -> str:
     ds = [str(d) for d in range(1, n + 1) if n % d == 0]
     return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
@@ -443,7 +467,8 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     for key in ("steps", "global_batch_size", "head_dim", "process_id"):
         if v[key] < 0:
             raise ConfigError(f"{key}={v[key]}: must be >= 0")
-    for key in ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay"):
+    nonneg = ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay")
+    for key in (*nonneg, "pipeline_hang_timeout_s"):
         if v[key] < 0:
             raise ConfigError(f"{key}={v[key]}: must be >= 0")
     for key in ("warmup_steps_fraction", "learning_rate_final_fraction", "adam_b1", "adam_b2"):
@@ -491,6 +516,12 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         )
 
     # pipeline
+    v["schedule_auto"] = v["pipeline_schedule"] == "auto"
+    if v["schedule_auto"]:
+        v["pipeline_schedule"] = "1f1b"
+    v["microbatches_auto"] = v["num_pipeline_microbatches"] == "auto"
+    if v["microbatches_auto"]:
+        v["num_pipeline_microbatches"] = -1
     repeats = v["num_pipeline_repeats"]
     schedule = v["pipeline_schedule"]
     num_stages = pp * repeats
@@ -512,6 +543,10 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
             f"set num_pipeline_repeats=2 (got {repeats})"
         )
     v["stage_layers"] = stage_layer_counts(v["num_decoder_layers"], num_stages)
+    split = _stage_split(v["pipeline_stage_layers"], v["num_decoder_layers"], num_stages)
+    if isinstance(split, tuple):
+        v["stage_layers"] = split
+    v["pipeline_stage_layers"] = split if isinstance(split, str) else ",".join(map(str, split))
 
     # batch
     if v["global_batch_size"] == 0:
@@ -628,7 +663,9 @@ def load_config(argv: Sequence[str]) -> Config:
             f"{' ...' if len(missing) > 5 else ''}; add `base_config: base.yml` to inherit defaults"
         )
     typed = {
-        key: _coerce(key, value, _field_type(key_fields()[key]), source)
+        key: value
+        if key in AUTO_KEYS and value == "auto"
+        else _coerce(key, value, _field_type(key_fields()[key]), source)
         for key, (value, source) in values.items()
     }
     derived = _validate_and_derive(typed, config_path)
