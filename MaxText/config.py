@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
@@ -46,10 +48,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dataset_type": ("text", "synthetic", "tfds"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk"),
 }
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user can fix; the message is one line."""
 
 
 def _derived(default: Any = None) -> Any:
@@ -176,6 +174,19 @@ class Config:
     @property
     def checkpoint_dir(self) -> str:
         return os.path.join(self.output_dir, "checkpoints")
+
+    def device_args(self) -> dict[str, Any]:
+        """Plain keyword values for `MaxText.devices.setup` (which does not import the config)."""
+        parallelism = " ".join(
+            f"{name}={getattr(self, name)}" for name in PARALLELISM_KEYS if getattr(self, name) > 1
+        )
+        return {
+            "num_devices": self.num_devices,
+            "num_processes": self.num_processes,
+            "coordinator_address": self.coordinator_address,
+            "process_id": self.process_id,
+            "parallelism": parallelism or "this run",
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """Keys and derived values as plain JSON-friendly Python values."""

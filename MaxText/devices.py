@@ -5,6 +5,10 @@ therefore run before anything touches a device: it starts `jax.distributed` when
 for several processes, and on a host without an accelerator it asks XLA for as many CPU devices as
 the parallelism needs (`jax_num_cpu_devices`) and logs one line saying so. On a GPU host that has
 too few devices it fails with a clear message instead.
+
+This module takes plain values (device counts, the coordinator's address), never the `Config`:
+`config.py` calls `available_device_count` to resolve a `-1` parallelism axis, and callers pass
+`**config.device_args()` to `setup`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import re
 
 import jax
 
-from MaxText.config import Config, ConfigError
+from MaxText.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,21 @@ def _accelerator_expected() -> bool:
     return bool(platforms) and "cpu" not in platforms.split(",")[:1]
 
 
-def setup(config: Config) -> list[jax.Device]:
-    """Makes `config.num_devices` devices available and returns them (first ones, in order)."""
-    needed = config.num_devices
-    per_process = -(-needed // config.num_processes)
+def setup(
+    num_devices: int,
+    *,
+    num_processes: int = 1,
+    coordinator_address: str = "",
+    process_id: int = 0,
+    parallelism: str = "this run",
+) -> list[jax.Device]:
+    """Makes `num_devices` devices available and returns them (first ones, in order; under several
+    processes the same number from every process, so a pipeline group stays on one process).
+
+    `parallelism` names what needs the devices in error messages (e.g. "ici_fsdp_parallelism=4").
+    """
+    needed = num_devices
+    per_process = -(-needed // num_processes)
     emulating = False
     if per_process > _requested_cpu_devices() and not _accelerator_expected():
         # Only the CPU backend reads these; on a GPU host they change nothing.
@@ -64,53 +79,34 @@ def setup(config: Config) -> list[jax.Device]:
             emulating = True
         except RuntimeError:  # backends already initialised: check below what we have
             pass
-    if config.num_processes > 1 and not _accelerator_expected():
+    if num_processes > 1 and not _accelerator_expected():
         try:  # cross-process collectives on CPU go through gloo (NCCL on GPU needs nothing)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except RuntimeError:
             pass
-    _distributed_initialize(config.coordinator_address, config.num_processes, config.process_id)
+    _distributed_initialize(coordinator_address, num_processes, process_id)
     devices = jax.devices()
     platform = devices[0].platform
     if platform == "cpu":
         if len(devices) < needed:
             raise ConfigError(
-                f"{_parallelism(config)} needs {needed} devices but JAX already started with "
+                f"{parallelism} needs {needed} devices but JAX already started with "
                 f"{len(devices)} CPU devices; start a fresh process (or set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={needed})"
             )
         if needed > 1:
             how = "emulating" if emulating else "using"
             log.info(
-                "%s %d CPU devices for %s (this host has no accelerator)",
-                how,
-                needed,
-                _parallelism(config),
+                "%s %d CPU devices for %s (this host has no accelerator)", how, needed, parallelism
             )
     elif len(devices) < needed:
         raise ConfigError(
-            f"{_parallelism(config)} needs {needed} devices but this host has {len(devices)} "
+            f"{parallelism} needs {needed} devices but this host has {len(devices)} "
             f"{platform.upper()} devices; reduce the parallelism or set one axis to -1"
         )
     elif len(devices) > needed:
         log.info("using %d of %d %s devices", needed, len(devices), platform.upper())
-    if config.num_processes > 1:  # the same number from every process, so groups stay on one
-        by_process = [
-            [d for d in devices if d.process_index == p] for p in range(config.num_processes)
-        ]
+    if num_processes > 1:
+        by_process = [[d for d in devices if d.process_index == p] for p in range(num_processes)]
         return [d for local in by_process for d in local[:per_process]][:needed]
     return devices[:needed]
-
-
-def _parallelism(config: Config) -> str:
-    parts = [
-        f"{name}={getattr(config, name)}"
-        for name in (
-            "ici_data_parallelism",
-            "ici_fsdp_parallelism",
-            "ici_tensor_parallelism",
-            "ici_pipeline_parallelism",
-        )
-        if getattr(config, name) > 1
-    ]
-    return " ".join(parts) or "this run"

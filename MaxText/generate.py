@@ -161,7 +161,7 @@ def main(argv: Sequence[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
         config, source = generation_config(argv)
-        devices.setup(config)
+        devices.setup(**config.device_args())
         from MaxText.data import make_data
 
         tokenizer = make_data(config).tokenizer

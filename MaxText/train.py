@@ -173,7 +173,7 @@ def main(argv: Sequence[str]) -> int:
     _setup_logging()
     try:
         config = load_config(argv)
-        devs = devices.setup(config)
+        devs = devices.setup(**config.device_args())
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

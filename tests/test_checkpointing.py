@@ -249,7 +249,9 @@ def test_truncated_metadata_file_falls_back(spmd_full, tmp_path, logs):
     meta = tmp_path / "run" / "checkpoints" / "20" / "_CHECKPOINT_METADATA"
     meta.write_text(meta.read_text()[:40])
     config = load_config(argv(tmp_path, "run", "steps=20"))
-    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    trainer = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
     ckpt = checkpointing.Checkpoints(config, trainer)
     try:
         state = ckpt.restore_or_init(make_data(config))
@@ -263,7 +265,9 @@ def test_load_parameters_path_starts_a_new_run(spmd_full, tmp_path, logs):
     full_dir, _ = spmd_full
     src = full_dir / "full" / "checkpoints"
     config = load_config(argv(tmp_path, "new", "steps=20", f"load_parameters_path={src}"))
-    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    trainer = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
     abstract = trainer.abstract_state["params"]
     for path, want_step in ((src, 20), (src / "15", 15)):
         ckpt = checkpointing.Checkpoints(

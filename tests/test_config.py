@@ -217,3 +217,36 @@ def test_train_py_exits_2_with_one_line(case, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("config error: ") and fragment in lines[0]
     assert not list(tmp_path.iterdir())  # nothing written for a config error
+
+
+def _maxtext_imports(path: Path) -> set[str]:
+    """MaxText modules `path` imports anywhere (top level or inside functions)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return {n.split(".")[1] for n in names if n.startswith("MaxText.") and n.count(".") >= 1}
+
+
+def test_no_import_cycles_in_maxtext():
+    """config.py and devices.py imported each other (#11 defect 10); no module pair may."""
+    modules = {p.stem: p for p in (REPO / "MaxText").glob("*.py") if p.stem != "__init__"}
+    graph = {m: _maxtext_imports(p) & set(modules) - {m} for m, p in modules.items()}
+    cycles = []
+
+    def visit(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt == path[0]:
+                cycles.append(" -> ".join([*path, nxt]))
+            elif nxt not in path and nxt > path[0]:  # report each cycle once, from its least node
+                visit(nxt, [*path, nxt])
+
+    for m in sorted(graph):
+        visit(m, [m])
+    assert not cycles, cycles
+    assert "devices" in graph["config"] and "config" not in graph["devices"]

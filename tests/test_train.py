@@ -53,7 +53,9 @@ def make_batches(config, n, seed=0):
 
 def build(tmp_path, *overrides):
     config = small_config(tmp_path, *overrides)
-    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    return config, build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
 
 
 def train(tmp_path, *overrides, trainer=None, steps=3):

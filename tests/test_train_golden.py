@@ -50,7 +50,9 @@ def test_tiny_preset_loss_curve(tmp_path):
         1,
         1,
     )
-    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    trainer = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
     state = trainer.init_state()
     got = []
     for batch in arithmetic_batches(config, len(GOLDEN)):
