@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
+from MaxText.unsupported_keys import UNSUPPORTED, UNSUPPORTED_DECODER_BLOCKS
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -250,8 +251,13 @@ def _field_type(field: dataclasses.Field) -> type:
 
 
 def _suggest(key: str) -> str:
+    """A hint only for a close match (a typo, or the start of a key): a far-off suggestion such
+    as `hardware` -> `adam_eps` sends the user the wrong way."""
     valid = list(key_fields()) + list(ALIASES)
-    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+    if not match and len(key) >= 4:
+        match = [k for k in valid if k.startswith(key)][:2]
+        match = match if len(match) == 1 else []
     return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for valid keys"
 
 
@@ -260,6 +266,8 @@ def _canonical(key: str, source: str) -> str:
     if key in derived_fields():
         raise ConfigError(f"'{key}' ({source}) is derived from other keys and cannot be set")
     if key not in key_fields():
+        if key in UNSUPPORTED:
+            raise ConfigError(f"not supported here: {key} ({source}): {UNSUPPORTED[key]}")
         raise ConfigError(f"unknown config key '{key}' ({source}){_suggest(key)}")
     return key
 
@@ -321,7 +329,7 @@ def _find_preset(name: str, config_path: Path) -> Path:
         if candidate.is_file():
             return candidate
     known = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.yml"))
-    match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     hint = f"did you mean '{match[0]}'?" if match else f"known: {', '.join(known)}"
     raise ConfigError(f"model_name={name}: no configs/models/{name}.yml; {hint}")
 
@@ -381,9 +389,14 @@ def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) 
 
 def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
     v = values
+    if v["decoder_block"] in UNSUPPORTED_DECODER_BLOCKS:
+        block = v["decoder_block"]
+        raise ConfigError(
+            f"not supported here: decoder_block={block}: {UNSUPPORTED_DECODER_BLOCKS[block]}"
+        )
     for key, choices in CHOICES.items():
         if v[key] not in choices:
-            match = difflib.get_close_matches(str(v[key]), choices, n=1, cutoff=0.5)
+            match = difflib.get_close_matches(str(v[key]), choices, n=1, cutoff=0.75)
             hint = f"did you mean '{match[0]}'? " if match else ""
             raise ConfigError(f"{key}={v[key]} is not one of {' | '.join(choices)}; {hint}".strip())
 

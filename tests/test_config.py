@@ -142,6 +142,11 @@ ERRORS = {
         ["num_pipeline_microbatches=3"],
         "global_batch_size=16 is not divisible by num_pipeline_microbatches=3",
     ),
+    "maxtext key not supported": (
+        ["ici_expert_parallelism=2"],
+        "not supported here: ici_expert_parallelism (command line): there are no "
+        "mixture-of-experts layers here",
+    ),
 }
 
 
@@ -250,3 +255,67 @@ def test_no_import_cycles_in_maxtext():
         visit(m, [m])
     assert not cycles, cycles
     assert "devices" in graph["config"] and "config" not in graph["devices"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # a typo of a key, or the start of one: a suggestion
+        (
+            "num_decoder_layer=2",
+            "unknown config key 'num_decoder_layer' (command line); did you "
+            "mean 'num_decoder_layers'?",
+        ),
+        ("learning_rat=0.1", "did you mean 'learning_rate'?"),
+        ("remat=full", "did you mean 'remat_policy'?"),
+        # nothing close: no suggestion (was: colour -> 'vocab_size'-like guesses at cutoff 0.5)
+        (
+            "colour=blue",
+            "unknown config key 'colour' (command line); see configs/base.yml for valid keys",
+        ),
+        (
+            "optimizer_name=adam",
+            "unknown config key 'optimizer_name' (command line); see "
+            "configs/base.yml for valid keys",
+        ),
+        # a MaxText key this trainer does not implement: why, never a suggestion
+        (
+            "quantization=int8",
+            "not supported here: quantization (command line): quantization "
+            "(AQT/Qwix/fp8) is not implemented; use dtype=bfloat16",
+        ),
+        (
+            "lr_schedule_type=wsd",
+            "not supported here: lr_schedule_type (command line): the "
+            "schedule is linear warmup then cosine decay (then 0)",
+        ),
+        ("dcn_expert_parallelism=2", "not supported here: dcn_expert_parallelism"),
+        (
+            "decoder_block=mixtral",
+            "not supported here: decoder_block=mixtral: "
+            "mixture-of-experts blocks are not implemented",
+        ),
+    ],
+)
+def test_hints_only_for_close_matches_and_unsupported_maxtext_keys(override, message):
+    with pytest.raises(ConfigError) as info:
+        load(override)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert ("did you mean" in str(info.value)) == ("did you mean" in message), str(info.value)
+
+
+def test_unsupported_maxtext_keys_say_why_in_yaml_too(tmp_path):
+    from MaxText.unsupported_keys import UNSUPPORTED
+
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE}\nenable_dropout: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config([str(mine)])
+    assert str(info.value) == (
+        f"not supported here: enable_dropout ({mine}): "
+        "dropout is not implemented (training is deterministic)"
+    )
+    for key in UNSUPPORTED:  # every entry is a one-line reason and not one of our keys
+        assert UNSUPPORTED[key] and "\n" not in UNSUPPORTED[key]
+        with pytest.raises(ConfigError, match=f"^not supported here: {key} "):
+            load(f"{key}=1")
