@@ -40,6 +40,24 @@ def available_device_count(coordinator_address: str, num_processes: int, process
     return jax.device_count()
 
 
+def cluster_process(hardware: str) -> tuple[int, int]:
+    """(num_processes, process_id) for `hardware=gpu_multiprocess` without a coordinator_address:
+    `jax.distributed.initialize()` finds the cluster (SLURM, Open MPI, Kubernetes, ...) itself,
+    as in MaxText. Raises ConfigError with one line when no cluster environment is found."""
+    assert hardware == "gpu_multiprocess", hardware
+    if not jax.distributed.is_initialized():
+        try:
+            jax.distributed.initialize()
+        except (ValueError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"hardware=gpu_multiprocess found no cluster environment ({first}); start one "
+                f"process per GPU under SLURM/Open MPI, or set coordinator_address=host:port "
+                f"num_processes=N process_id=I"
+            ) from None
+    return jax.process_count(), jax.process_index()
+
+
 def _requested_cpu_devices() -> int:
     """CPU devices JAX will create: jax_num_cpu_devices, else XLA_FLAGS, else 1."""
     configured = jax.config.jax_num_cpu_devices
@@ -63,23 +81,33 @@ def setup(
     coordinator_address: str = "",
     process_id: int = 0,
     parallelism: str = "this run",
+    hardware: str = "auto",
 ) -> list[jax.Device]:
     """Makes `num_devices` devices available and returns them (first ones, in order; under several
     processes the same number from every process, so a pipeline group stays on one process).
 
     `parallelism` names what needs the devices in error messages (e.g. "ici_fsdp_parallelism=4").
+    `hardware` (MaxText's key): `cpu` runs on CPU devices even on a GPU host; `gpu` and
+    `gpu_multiprocess` require GPU devices (one line, exit 2, if JAX finds none); `auto` takes
+    what JAX finds (the default).
     """
     needed = num_devices
     per_process = -(-needed // num_processes)
     emulating = False
-    if per_process > _requested_cpu_devices() and not _accelerator_expected():
+    if hardware == "cpu":
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:  # backends already initialised: checked below
+            pass
+    accelerator = _accelerator_expected() or hardware in ("gpu", "gpu_multiprocess")
+    if per_process > _requested_cpu_devices() and not accelerator:
         # Only the CPU backend reads these; on a GPU host they change nothing.
         try:
             jax.config.update("jax_num_cpu_devices", per_process)
             emulating = True
         except RuntimeError:  # backends already initialised: check below what we have
             pass
-    if num_processes > 1 and not _accelerator_expected():
+    if num_processes > 1 and not accelerator:
         try:  # cross-process collectives on CPU go through gloo (NCCL on GPU needs nothing)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except RuntimeError:
@@ -87,6 +115,15 @@ def setup(
     _distributed_initialize(coordinator_address, num_processes, process_id)
     devices = jax.devices()
     platform = devices[0].platform
+    if hardware in ("gpu", "gpu_multiprocess") and platform != "gpu":
+        raise ConfigError(
+            f"hardware={hardware} but JAX finds no GPU (its devices are {platform.upper()}); "
+            f"run ./setup.sh on the GPU host (it installs jax[cuda12]), or use hardware=cpu"
+        )
+    if hardware == "cpu" and platform != "cpu":
+        raise ConfigError(
+            f"hardware=cpu but JAX already started on {platform.upper()}; start a fresh process"
+        )
     if platform == "cpu":
         if len(devices) < needed:
             raise ConfigError(
