@@ -179,7 +179,7 @@ UNSUPPORTED_DECODER_BLOCKS: dict[str, str] = {
         for name in ("mixtral", "deepseek", "llama4", "qwen3_moe", "gpt_oss")
     },
     **{
-        name: f"the {name} block (its norms, attention variants) is not implemented"
+        name: "this block (its own norms and attention variants) is not implemented"
         for name in ("gemma", "gemma2", "gemma3", "qwen2", "qwen3", "olmo3", "simple", "simple_mlp")
     },
 }
