@@ -227,8 +227,11 @@ def test_loop_writes_metrics_and_evaluates(one_device_trainer, one_device, tmp_p
     assert all(r["grad_norm"] == min(r["raw_grad_norm"], 1.0) for r in records)
     assert [r["step"] for r in records] == [1, 2, 3]  # eval every step forces a record
     config = loop_config(config, tmp_path / "b", log_period=2, eval_interval=0)
+    custom = tmp_path / "elsewhere" / "m.jsonl"  # metrics_file= (MaxText's key): any path
+    config = dataclasses.replace(config, metrics_file=str(custom))
     run(config, trainer, _Data(config))
-    plain = [json.loads(line) for line in Path(config.metrics_file).read_text().splitlines()]
+    assert not (tmp_path / "b" / "run" / "metrics.jsonl").exists()
+    plain = [json.loads(line) for line in custom.read_text().splitlines()]
     assert [r["step"] for r in plain] == [2, 3]  # log_period, and the last step
     for r in records + plain:
         assert METRIC_KEYS <= set(r)
