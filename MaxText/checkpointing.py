@@ -17,13 +17,15 @@ The loop (`MaxText/train.py`) talks to one `Checkpoints` object:
   thread while training continues; the next save (and `close()`) waits for the previous one.
 - `close()` waits for a pending save and releases the manager.
 
-**Canonical layout.** The `state` item holds every array once, at its global shape, in the tree the
-step uses for every layout (`layers_0`, `layers_1`, ...): nothing on disk depends on
-`pipeline_parallelism`, the schedule, virtual stages or SPMD axes. A pipelined state (`MpmdArray`
-leaves spread over groups) is saved leaf by leaf from the group that holds it, without gathering
-anything onto one device; a value held by several groups (the step counter) is written once. On
-restore every leaf is read straight onto the devices the target layout wants it on: the SPMD step's
-shardings, or, pipelined, the groups whose compiled tasks read it (`MaxText/checkpoint_layout.py`).
+**Canonical layout.** The `state` item holds every array once, at its global shape, in one tree
+for every layout (every decoder layer its own `layers_<i>`, scanned or not): nothing on disk depends
+on `scan_layers`, `pipeline_parallelism`, the schedule, virtual stages or SPMD axes (stacked layers
+are split per layer on save and stacked again on restore, `MaxText/checkpoint_layout.py`). A
+pipelined state (`MpmdArray` leaves spread over groups) is saved leaf by leaf from the group that
+holds it, without gathering anything onto one device; a value held by several groups (the step
+counter) is written once. On restore every leaf is read straight onto the devices the target
+layout wants it on: the SPMD step's shardings, or, pipelined, the groups whose compiled tasks
+read it.
 
 **Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
 only when every item is written, so a killed save never looks complete; leftover temporary
@@ -63,7 +65,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from MaxText.checkpoint_layout import placement_for, restore_args
+from MaxText.checkpoint_layout import CanonicalLayout, numpy_stack, placement_for, restore_args
 from MaxText.config import Config, ConfigError
 
 # orbax is imported where it is used: importing it logs through absl, which installs a root log
@@ -71,7 +73,8 @@ from MaxText.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: scanned runs store every layer as `layers_<i>` (format 1 stored them stacked under `layers`).
+FORMAT_VERSION = 2
 ITEMS = ("state", "data_iter", "rng", "config")
 CORRUPT_DIR = "checkpoints_corrupt"
 
@@ -86,7 +89,6 @@ MODEL_KEYS = (
     "mlp_dim",
     "vocab_size",
     "logits_via_embedding",
-    "scan_layers",
 )
 # Keys that describe how a run is laid out on devices; they may change between save and restore.
 LAYOUT_KEYS = (
@@ -326,6 +328,12 @@ def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict
 
 
 def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
+    if saved.get("format", 1) < 2 and saved.get("scan_layers"):
+        raise ConfigError(
+            f"checkpoint {step_dir} was written with scan_layers=true in checkpoint format 1 "
+            f"(layers stacked on disk), which this version no longer reads; re-save it with the "
+            f"version that wrote it, or start a new run_name"
+        )
     wrong = [
         f"{k}={saved.get(k)!r} in the checkpoint vs {getattr(config, k)!r} now"
         for k in MODEL_KEYS
@@ -412,12 +420,24 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
 
 
 def load_params(
-    path: str | os.PathLike, abstract_params: Any, config: Config, shardings: Any = None
+    path: str | os.PathLike, abstract_params: Any, config: Config
 ) -> tuple[Any, Restored]:
-    """The `params` of the newest readable checkpoint under `path` (see `saved_config`).
+    """The `params` of the newest readable checkpoint under `path` (see `saved_config`), as numpy
+    arrays in the tree of `abstract_params` (scanned or unrolled: read from the canonical tree)."""
+    layout = CanonicalLayout(abstract_params)
+    canonical, restored = read_params(path, layout.abstract, config, shardings=None)
+    leaves = jax.tree.leaves(canonical)
+    by_leaf = layout.from_canonical(leaves, range(len(leaves)), numpy_stack)
+    return jax.tree.unflatten(layout.treedef, [by_leaf[j] for j in sorted(by_leaf)]), restored
 
-    With `shardings` (a tree like `abstract_params`) they are placed as global arrays; without,
-    they are numpy arrays (any layout can then place them).
+
+def read_params(
+    path: str | os.PathLike, canonical_params: Any, config: Config, shardings: Any = None
+) -> tuple[Any, Restored]:
+    """The canonical `params` tree of the newest readable checkpoint under `path`.
+
+    With `shardings` (one per leaf) they are placed as global arrays; without, they are numpy
+    arrays.
     """
     directory, step = find_step_dir(path)
     if not directory.is_dir():
@@ -427,8 +447,8 @@ def load_params(
         restored = restore_latest(
             manager,
             directory,
-            {"params": abstract_params},
-            jax.tree.leaves(shardings) if shardings is not None else [],
+            {"params": canonical_params},
+            list(shardings) if shardings is not None else [],
             config=config,
             step=step,
             json_items=("config",),
@@ -464,13 +484,20 @@ class Checkpoints:
         self.directory = Path(config.checkpoint_dir).absolute()
         leaves, self._treedef = jax.tree.flatten(trainer.abstract_state)
         self._params_treedef = jax.tree.structure(trainer.abstract_state["params"])
-        self._abstract_leaves = leaves
+        self._layout = CanonicalLayout(trainer.abstract_state)
         self._placement = placement_for(trainer, leaves)
         self._manager = None
         self.last_save_blocking_s: float | None = None
         if config.enable_checkpointing:
             logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
             self._manager = _open_manager(self.directory, config, read_only=False)
+
+    def _state_leaves(self, canonical_leaves: list, indices: Sequence[int]) -> list:
+        """Canonical leaves `indices` (as read) -> the state leaves they make, in state order."""
+        sources = [self._layout.sources[c] for c in indices]
+        placed = self._placement.place(canonical_leaves, sources)
+        by_leaf = self._layout.from_canonical(placed, indices, self._placement.stack)
+        return [by_leaf[j] for j in sorted(by_leaf)]
 
     # -- restore
 
@@ -479,8 +506,8 @@ class Checkpoints:
             restored = restore_latest(
                 self._manager,
                 self.directory,
-                self.trainer.abstract_state,
-                self._placement.restore_shardings(range(len(self._abstract_leaves))),
+                self._layout.abstract,
+                self._placement.restore_shardings(self._layout.sources),
                 config=self.config,
                 quarantine=Path(self.config.output_dir).absolute() / CORRUPT_DIR,
             )
@@ -507,7 +534,7 @@ class Checkpoints:
                 f"same data keys, or load_parameters_path= in a new run"
             ) from None
         leaves = jax.tree.leaves(restored.state)
-        state = jax.tree.unflatten(self._treedef, self._placement.place(leaves, range(len(leaves))))
+        state = jax.tree.unflatten(self._treedef, self._state_leaves(leaves, range(len(leaves))))
         changed = [
             f"{k} {saved.get(k)} -> {getattr(self.config, k)}"
             for k in LAYOUT_KEYS
@@ -530,13 +557,13 @@ class Checkpoints:
 
     def _load_parameters(self) -> Any:
         indices = self._param_indices()
-        loaded, restored = load_params(
+        loaded, restored = read_params(
             self.config.load_parameters_path,
-            self.trainer.abstract_state["params"],
+            self._layout.abstract["params"],
             self.config,
-            shardings=self._placement.restore_shardings(indices),
+            shardings=self._placement.restore_shardings([self._layout.sources[c] for c in indices]),
         )
-        params = self._placement.place(jax.tree.leaves(loaded), indices)
+        params = self._state_leaves(jax.tree.leaves(loaded), indices)
         state = self.trainer.init_state()  # fresh optimizer state and step 0
         state = {**state, "params": jax.tree.unflatten(self._params_treedef, params)}
         log.info(
@@ -548,8 +575,8 @@ class Checkpoints:
         return state
 
     def _param_indices(self) -> list[int]:
-        """Positions of the `params` leaves among the state's leaves."""
-        flat = jax.tree_util.tree_flatten_with_path(self.trainer.abstract_state)[0]
+        """Positions of the `params` leaves among the canonical tree's leaves."""
+        flat = jax.tree_util.tree_flatten_with_path(self._layout.abstract)[0]
         return [i for i, (path, _) in enumerate(flat) if getattr(path[0], "key", None) == "params"]
 
     # -- save
@@ -569,8 +596,7 @@ class Checkpoints:
             raise TypeError(
                 "enable_checkpointing=true needs a training iterator with get_state()/set_state()"
             )
-        leaves = self._placement.saveable(jax.tree.leaves(state))
-        tree = jax.tree.unflatten(self._treedef, leaves)
+        tree = self._layout.to_canonical(self._placement.saveable(jax.tree.leaves(state)))
         t0 = time.perf_counter()
         self._manager.save(
             step,

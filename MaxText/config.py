@@ -550,11 +550,6 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     schedule = v["pipeline_schedule"]
     num_stages = pp * repeats
     v["num_stages"] = num_stages
-    if pp > 1 and v["scan_layers"]:
-        raise ConfigError(
-            f"scan_layers=true cannot be combined with ici_pipeline_parallelism={pp}: pipeline "
-            f"stages need unrolled layers; set scan_layers=false"
-        )
     if v["num_decoder_layers"] < num_stages:
         raise ConfigError(
             f"num_decoder_layers={v['num_decoder_layers']} is less than the {num_stages} pipeline "

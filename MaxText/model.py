@@ -11,11 +11,17 @@ first stage and final norm, logits and the loss in the last. The markers sit bet
 top level of the model, never inside a rematerialised layer; outside pipelined tracing they are the
 identity. The hidden state between layers carries logical axis names (`activation_batch`, ...);
 they constrain sharding only when the trainer activates the rules (SPMD), no-ops otherwise.
-Layers are unrolled (`layers_0`, `layers_1`, ...) unless `scan_layers=true`, which stacks them
-under `layers` with a leading layer axis (SPMD only; config validation enforces that).
+Layers are unrolled (`layers_0`, `layers_1`, ...) unless `scan_layers=true`: then each stage's
+layers run as one `nn.scan` over weights stacked with a leading layer axis, `layers` (no stages)
+or `layers_stage_<s>` (one per stage, see `scanned_blocks`), and the markers sit between the stage
+scans. Remat wraps the scanned layer, so the policy applies inside the scan. `init_params` gives
+every layout the same initial values (sliced from one stacked initialisation), and
+`MaxText/checkpoint_layout.py` maps every layout to one on-disk tree.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -57,11 +63,14 @@ class Decoder(nn.Module):
             x_BxLxE = x_BxLxE + jnp.take(position_PxE, positions_BxL, axis=0).astype(dtype)
         x_BxLxE = _constrain(x_BxLxE)
 
+        stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
         if c.scan_layers:
-            x_BxLxE = self._scanned_layers(x_BxLxE, positions_BxL)
+            for name, first, count in scanned_blocks(c):
+                x_BxLxE = _constrain(self._scan(name, count, x_BxLxE, positions_BxL))
+                if first + count - 1 in stage_ends:
+                    x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
         else:
             layer_cls = layers.layer_class(c)
-            stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
             for i in range(c.num_decoder_layers):
                 x_BxLxE = _constrain(layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL))
                 if i in stage_ends:
@@ -81,18 +90,90 @@ class Decoder(nn.Module):
             "ble,ev->blv", x_BxLxE, head_ExV.astype(dtype), preferred_element_type=jnp.float32
         )
 
-    def _scanned_layers(self, x_BxLxE, positions_BxL):
-        c = self.config
+    def _scan(self, name: str, length: int, x_BxLxE, *per_token_args):
+        """`length` layers as one `nn.scan` over weights stacked under `name` (leading axis =
+        layer). `per_token_args` (positions, ...) are broadcast to every layer, unchanged."""
         scanned = nn.scan(
-            layers.layer_class(c, scanned=True),
+            layers.layer_class(self.config, scanned=True),
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast,),
-            length=c.num_decoder_layers,
+            in_axes=(nn.broadcast,) * len(per_token_args),
+            length=length,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BxLxE, _ = scanned(c, name="layers")(x_BxLxE, positions_BxL)
+        x_BxLxE, _ = scanned(self.config, name=name)(x_BxLxE, *per_token_args)
         return x_BxLxE
+
+
+def scanned_blocks(config: Config) -> list[tuple[str, int, int]]:
+    """(parameter name, first layer, layer count) of each scan of a `scan_layers=true` model:
+    one `layers` scan over all layers without stages; with stages one `layers_stage_<s>` per
+    stage, so that each stage's stacked weights are leaves of their own (on their own group)."""
+    if config.num_stages <= 1:
+        return [("layers", 0, config.num_decoder_layers)]
+    blocks, first = [], 0
+    for s, count in enumerate(config.stage_layers):
+        blocks.append((f"layers_stage_{s}", first, count))
+        first += count
+    return blocks
+
+
+def canonical_init_config(config: Config) -> Config:
+    """The config whose model initialises parameters for every layout of `config`: all layers
+    in one scan (`layers`, leading axis = layer), no stages, no remat (none change values)."""
+    return dataclasses.replace(
+        config,
+        scan_layers=True,
+        remat_policy="none",
+        ici_pipeline_parallelism=1,
+        dcn_pipeline_parallelism=1,
+        mesh_pipeline=1,
+        num_pipeline_repeats=1,
+        num_stages=1,
+        stage_layers=(config.num_decoder_layers,),
+    )
+
+
+def canonical_init(config: Config, rng, tokens_BxL):
+    """Boxed initial parameters with every layer stacked under `layers`, the same program for
+    every layout of `config` (so the same values: compile it on its own, see `init_params`)."""
+    return Decoder(canonical_init_config(config)).init(rng, tokens_BxL)["params"]
+
+
+def init_params(model: Decoder, rng, tokens_BxL, canonical=None):
+    """The model's boxed parameters for `rng`, the same values in every layer layout.
+
+    Every layout starts from `canonical_init` (layers stacked, one scan: its cost does not grow
+    with depth) and takes its leaves from there: layer i as `layers_i` (unrolled), or stage s's
+    slice of the stack as `layers_stage_<s>`. Pass `canonical` (unboxed) computed by a program of
+    its own when the values must be bitwise equal across layouts: XLA:CPU fuses the random
+    number generation with whatever consumes it, and the slicing differs by layout.
+    """
+    c = model.config
+    if canonical is None:
+        canonical = nn.unbox(canonical_init(c, rng, tokens_BxL))
+    boxes = dict(jax.eval_shape(model.init, rng, tokens_BxL)["params"])
+    if c.scan_layers:
+        blocks = {name: slice(first, first + n) for name, first, n in scanned_blocks(c)}
+    else:
+        blocks = {f"layers_{i}": i for i in range(c.num_decoder_layers)}
+    out = {}
+    for name, box in boxes.items():
+        if name in blocks:
+            index = blocks[name]
+            values = jax.tree.map(lambda x, index=index: x[index], canonical["layers"])
+        else:
+            values = canonical[name]
+        out[name] = jax.tree.map(_rebox, box, values, is_leaf=_is_box)
+    return out
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _rebox(box, value):
+    return box.replace_boxed(value) if _is_box(box) else value
 
 
 def _constrain(x_BxLxE):

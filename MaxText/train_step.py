@@ -1,8 +1,10 @@
 """The training and evaluation steps, compiled for SPMD (`jax.jit`) or MPMD pipelines (jaxpp).
 
 State layout (the checkpoint seam): a dict `{"step": int32[], "params": ..., "opt_state": ...}` of
-plain arrays. `params` has the same tree for every parallelism layout (`layers_0`, `layers_1`, ...),
-so a checkpoint written by one layout can be read by another.
+plain arrays. `params` names the decoder layers `layers_0`, `layers_1`, ... when unrolled, and
+stacks them under `layers` / `layers_stage_<s>` with `scan_layers=true` (`MaxText/model.py`); the
+initial values are the same in every layout (`init_params`), and checkpoints store one canonical
+tree (`MaxText/checkpoint_layout.py`), so a checkpoint written by one layout can be read by another.
 
 The step is a pure function `(state, batch) -> (state, metrics)`:
 
@@ -29,6 +31,7 @@ same rules giving the PartitionSpecs over the non-stage axes, and the schedule f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -44,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxpp_integration as jaxpp
 from MaxText import sharding
 from MaxText.config import Config
-from MaxText.model import Decoder, cross_entropy_sums
+from MaxText.model import Decoder, canonical_init, cross_entropy_sums, init_params
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +136,12 @@ def make_eval_step(model: Decoder, num_microbatches: int = 1, schedule: Any = No
 
 
 def make_init_fn(config: Config, model: Decoder, optimizer: optax.GradientTransformation):
-    """rng -> state with flax partitioning boxes (optimizer moments inherit the param boxes)."""
+    """(rng, canonical params or None) -> state with flax partitioning boxes (optimizer moments
+    inherit the param boxes); see `init_params` for `canonical`."""
 
-    def init(rng):
+    def init(rng, canonical=None):
         tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
-        params = model.init(rng, tokens)["params"]
+        params = init_params(model, rng, tokens, canonical)
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
@@ -226,18 +230,34 @@ def init_compiler_options(mesh: Mesh) -> dict:
 
 def _init_on(mesh: Mesh, config, model, optimizer, specs):
     """(init_state(), shardings): a fresh state from `config.init_weights_seed`, sharded over
-    `mesh`."""
+    `mesh`.
+
+    Two programs: `canonical_init` (every layer stacked; the same program whatever the layer
+    layout, so the same values), then the state in this layout's tree built from it."""
     shardings = sharding.named_shardings(mesh, specs)
+    tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
+    canonical_fn = functools.partial(canonical_init, config, tokens_BxL=tokens)
+    boxed = jax.eval_shape(canonical_fn, jax.random.key(0))
+    canonical_shardings = sharding.named_shardings(
+        mesh, sharding.logical_to_specs(nn.get_partition_spec(boxed))
+    )
+    canonical_jit = jax.jit(
+        lambda rng: nn.unbox(canonical_fn(rng)), out_shardings=canonical_shardings
+    )
     init = make_init_fn(config, model, optimizer)
-    jitted = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=shardings)
+    jitted = jax.jit(lambda rng, canonical: nn.unbox(init(rng, canonical)), out_shardings=shardings)
     compiled = []
 
     def init_state():
         rng = jax.random.key(config.init_weights_seed)
         if not compiled:
             options = init_compiler_options(mesh)
-            compiled.append(jitted.lower(rng).compile(compiler_options=options))
-        return compiled[0](rng)
+            compiled.append(canonical_jit.lower(rng).compile(compiler_options=options))
+            canonical = compiled[0](rng)
+            compiled.append(jitted.lower(rng, canonical).compile(compiler_options=options))
+        else:
+            canonical = compiled[0](rng)
+        return compiled[1](rng, canonical)
 
     return init_state, shardings
 

@@ -138,6 +138,7 @@ class CompiledMpmdFunction:
     consts: list
     schedule: Schedule
     local_ranks: frozenset = frozenset()
+    compile_stats: Any = None  # compile.CompileStats: XLA compiles vs executables loaded
     last_memory: MemoryReport | None = None
     last_events: list | None = None
 
@@ -244,7 +245,15 @@ def _respec(a: MpmdArray, spec: PartitionSpec) -> MpmdArray:
 class MpmdFunction:
     """What `mpmd_jit_with_loop` returns: call it, or `.compile(*args)` ahead of time."""
 
-    def __init__(self, fn, mpmd_mesh: MpmdMesh, in_specs=None, out_specs=None, donate_argnums=()):
+    def __init__(
+        self,
+        fn,
+        mpmd_mesh: MpmdMesh,
+        in_specs=None,
+        out_specs=None,
+        donate_argnums=(),
+        compile_threads: int = 0,
+    ):
         if not isinstance(mpmd_mesh, MpmdMesh):
             raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
         self.fn = fn
@@ -254,6 +263,7 @@ class MpmdFunction:
         self.donate_argnums = tuple(
             (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
         )
+        self.compile_threads = int(compile_threads)
         self._compiled: CompiledMpmdFunction | None = None
 
     def compile(self, *args) -> CompiledMpmdFunction:
@@ -278,11 +288,17 @@ class MpmdFunction:
         return c(*args)
 
 
-def mpmd_jit_with_loop(fn=None, *, mpmd_mesh, in_specs=None, out_specs=None, donate_argnums=()):
-    """Pipelines the single `treduce` loop of `fn` over the groups of `mpmd_mesh`."""
-    if fn is None:
-        return lambda f: MpmdFunction(f, mpmd_mesh, in_specs, out_specs, donate_argnums)
-    return MpmdFunction(fn, mpmd_mesh, in_specs, out_specs, donate_argnums)
+def mpmd_jit_with_loop(
+    fn=None, *, mpmd_mesh, in_specs=None, out_specs=None, donate_argnums=(), compile_threads=0
+):
+    """Pipelines the single `treduce` loop of `fn` over the groups of `mpmd_mesh`.
+
+    `compile_threads > 1` compiles independent task programs concurrently (for hosts with many
+    free cores, e.g. GPU hosts; on a 2-core CPU it does not pay, so the default is off)."""
+    make = lambda f: MpmdFunction(  # noqa: E731
+        f, mpmd_mesh, in_specs, out_specs, donate_argnums, compile_threads
+    )
+    return make if fn is None else make(fn)
 
 
 def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
@@ -348,7 +364,9 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
     for j, slots in enumerate(prog.inputs):
         for r, s in slots.items():
             input_shardings[s] = mesh.sharding(r, input_specs[j])
-    executables, slot_sharding = compile_program(prog, mesh, input_shardings, cache={})
+    executables, slot_sharding, stats = compile_program(
+        prog, mesh, input_shardings, cache={}, compile_threads=f.compile_threads
+    )
     local = local_ranks(mesh)
     prepare(prog, slot_sharding, local)
     if jax.process_count() > 1:  # every process compiled everything: meet before the first step
@@ -376,6 +394,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         [np.asarray(c) for c in closed.consts],
         schedule,
         local,
+        stats,
     )
 
 

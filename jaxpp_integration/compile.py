@@ -4,16 +4,25 @@ Each `TaskCode` becomes a Python function over flat arrays (evaluating its equat
 microbatch, updating accumulators) and is compiled with `jax.jit(...).lower(...).compile()` with
 explicit input shardings on its rank's mesh. Meshes captured inside equations (sharding
 constraints, nested jits, shard_map) are rebound from the lowering mesh to the group's mesh.
-Executables are cached by (rank, task jaxpr text, input shardings, donation), so microbatches —
-and identical stages on one rank — share one compile.
+
+One XLA compile per distinct program: a program is keyed by its equations as traced, its input
+layouts relative to the group's sub-mesh and its donation, never by rank or device ids. The first
+group that runs it compiles it; every other group gets that executable loaded onto its own
+devices (`jax_compat.load_compiled_on`); other microbatches reuse their group's executable.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpp_integration.jax_compat import load_compiled_on
 from jaxpp_integration.program import Fill, Program, Run, TaskCode, Transfer
 from jaxpp_integration.treduce import microbatch
 
@@ -101,16 +110,27 @@ def task_function(code: TaskCode, eqns):
     return loop
 
 
-def _key(code: TaskCode, eqns):
-    text = str(make_jaxpr_of(eqns, code.invars, code.outvars))
+def _key(code: TaskCode):
+    """What makes two tasks the same program, whatever group they run on: the task's equations
+    as traced against the lowering mesh (identical text for identical stages), its kind, its
+    accumulator handling and which inputs are sliced per microbatch. No rank, no device ids."""
+    text = str(make_jaxpr_of(code.eqns, code.invars, code.outvars))
     return (
         code.kind,
-        code.rank,
         text,
         tuple(str(op) for op, _ in code.acc_ops),
         tuple(str(i) for i in code.acc_inits),
         code.mb_slices,
+        code.mb_axis,
     )
+
+
+def _layout_key(sharding, mesh: Mesh):
+    """An input sharding relative to its group's sub-mesh: the spec and memory kind, plus the
+    sub-mesh's axis names and shape. Equal for the same layout on any group of one MpmdMesh."""
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        return (sharding.spec, sharding.memory_kind, mesh.axis_names, mesh.devices.shape)
+    return ("exact", sharding)  # another kind of sharding: only shared where it is identical
 
 
 def _sds(aval, sharding):
@@ -119,40 +139,149 @@ def _sds(aval, sharding):
     )
 
 
-def compile_program(prog: Program, mpmd_mesh, input_shardings: dict, cache: dict):
-    """Compiles every Run of `prog`; returns (executables per instr index, slot shardings)."""
+@dataclasses.dataclass
+class CompileStats:
+    """How `compile_program` obtained the executables of one program.
+
+    `compiles`: XLA compilations run (one per distinct program); `loads`: executables loaded
+    onto another group's devices from a compilation made for a group of the same shape;
+    `cache_hits`: task instances reusing an executable of their own group (other microbatches);
+    `seconds`: wall time per compiled program name."""
+
+    compiles: int = 0
+    loads: int = 0
+    cache_hits: int = 0
+    seconds: dict = dataclasses.field(default_factory=dict)
+
+
+class _Pending:
+    """A slot sharding that a compile still running will produce (`out` of `future`)."""
+
+    __slots__ = ("future", "out")
+
+    def __init__(self, future, out):
+        self.future, self.out = future, out
+
+    def get(self):
+        return self.future.result().output_shardings[self.out]
+
+
+def compile_program(
+    prog: Program, mpmd_mesh, input_shardings: dict, cache: dict, compile_threads: int = 0
+):
+    """Compiles every Run of `prog`; returns (executables per instr index, slot shardings, stats).
+
+    A distinct program (see `_key` and `_layout_key`: no device ids) is compiled once, for the
+    first group that runs it; every other group gets that executable loaded onto its own devices
+    (`jax_compat.load_compiled_on`), which takes milliseconds instead of an XLA compile.
+    `compile_threads > 1` compiles independent programs concurrently on that many threads (a
+    task waits only for the compiles whose output shardings it reads); this pays on hosts with
+    many free cores (GPU hosts), not on a small loaded CPU box."""
     lowering = mpmd_mesh.lowering_mesh()
     src_meshes = (lowering, mpmd_mesh.jax_mesh)
-    slot_sharding = dict(input_shardings)
+    stats = CompileStats()
+    lock = threading.Lock()
+    in_flight: dict = {}  # (program key, rank) -> Future of the executable
+    programs = cache  # program key -> [(rank, Future)] of the groups it was compiled for
+    fn_cache: dict = {}
+    pool = ThreadPoolExecutor(compile_threads) if compile_threads > 1 else None
+
+    slot_sharding: dict = dict(input_shardings)
     for s in prog.constants:
         slot_sharding[s] = mpmd_mesh.sharding(prog.slot_rank[s], PartitionSpec())
-    executables = {}
-    fn_cache: dict = {}
-    for idx, ins in enumerate(prog.instrs):
-        if isinstance(ins, Transfer):
-            src = slot_sharding[ins.src]
-            spec = src.spec if isinstance(src, NamedSharding) else PartitionSpec()
-            slot_sharding[ins.dst] = mpmd_mesh.sharding(ins.dst_rank, spec)
-        elif isinstance(ins, Run):
-            code = ins.code
+
+    def resolve(slot):
+        sh = slot_sharding[slot]
+        if isinstance(sh, _Pending):
+            sh = slot_sharding[slot] = sh.get()
+        elif callable(sh):
+            sh = slot_sharding[slot] = sh()
+        return sh
+
+    def code_of(code):
+        with lock:
             if id(code) not in fn_cache:
-                eqns = rebind_meshes(code.eqns, src_meshes, mpmd_mesh.unstack[code.rank])
-                fn_cache[id(code)] = (task_function(code, eqns), _key(code, eqns))
-            fn, key = fn_cache[id(code)]
-            in_sh = tuple(slot_sharding[s] for s in ins.ins)
-            full_key = (key, in_sh, ins.donate)
-            if full_key not in cache:
-                avals = [_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_sh)]
-                cache[full_key] = (
-                    jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals).compile()
+                fn_cache[id(code)] = _key(code)
+            return fn_cache[id(code)]
+
+    def compile_one(code, ins, in_sh):
+        eqns = rebind_meshes(code.eqns, src_meshes, mpmd_mesh.unstack[code.rank])
+        avals = [_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_sh)]
+        t0 = time.perf_counter()
+        fn = task_function(code, eqns)
+        exe = jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals).compile()
+        with lock:
+            stats.compiles += 1
+            stats.seconds[code.name] = time.perf_counter() - t0
+        return exe
+
+    def executable_for(ins):
+        code = ins.code
+        rank = code.rank
+        in_sh = tuple(resolve(s) for s in ins.ins)
+        group = mpmd_mesh.unstack[rank]
+        key = (code_of(code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
+        with lock:
+            mine = in_flight.get((key, rank))
+            waiting = mine is not None  # this group has it already (another microbatch)
+            if waiting:
+                stats.cache_hits += 1
+            else:
+                mine = in_flight[(key, rank)] = (rank, Future())
+                sources = list(programs.get(key, ()))  # compiles of it for other groups
+                if not sources:
+                    programs[key] = [mine]
+        _, fut = mine
+        if waiting:
+            return fut.result()
+        try:
+            exe = None
+            for src_rank, src_fut in sources:  # load a compile made for another group
+                exe = load_compiled_on(
+                    src_fut.result(), mpmd_mesh.devices_of(src_rank), mpmd_mesh.devices_of(rank)
                 )
-            exe = cache[full_key]
-            executables[idx] = exe
-            for s, sh in zip(ins.outs, exe.output_shardings):
-                slot_sharding[s] = sh
-        elif isinstance(ins, Fill):
-            slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, PartitionSpec())
-    return executables, slot_sharding
+                if exe is not None:
+                    with lock:
+                        stats.loads += 1
+                    break
+            if exe is None:  # the first group to run it, or JAX cannot move it here
+                exe = compile_one(code, ins, in_sh)
+                if sources:
+                    with lock:
+                        programs[key].append(mine)
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        fut.set_result(exe)
+        return exe
+
+    jobs = {}
+    try:
+        for idx, ins in enumerate(prog.instrs):
+            if isinstance(ins, Transfer):
+
+                def moved(src=ins.src, rank=ins.dst_rank):
+                    sh = resolve(src)
+                    spec = sh.spec if isinstance(sh, NamedSharding) else PartitionSpec()
+                    return mpmd_mesh.sharding(rank, spec)
+
+                slot_sharding[ins.dst] = moved if pool is not None else moved()
+            elif isinstance(ins, Run):
+                if pool is None:
+                    job = Future()
+                    job.set_result(executable_for(ins))
+                else:
+                    job = pool.submit(executable_for, ins)
+                jobs[idx] = job
+                for j, s in enumerate(ins.outs):
+                    slot_sharding[s] = _Pending(job, j)
+            elif isinstance(ins, Fill):
+                slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, PartitionSpec())
+        executables = {idx: job.result() for idx, job in jobs.items()}
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    return executables, {s: resolve(s) for s in slot_sharding}, stats
 
 
 def literal_value(v):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def source_line(eqn) -> str:
     """'file.py:123 (fn)' for an equation, or '<unknown>'."""
@@ -11,6 +13,20 @@ def source_line(eqn) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - best effort across JAX versions
         return "<unknown source line>"
+
+
+def user_source_line(eqn, skip_dir: str) -> str:
+    """Like `source_line`, but also skips frames whose file lies under `skip_dir` (e.g. this
+    package, so a marker's equation names the model line that called `pipeline_enter_stage`)."""
+    try:
+        from jax._src import source_info_util
+
+        for frame in source_info_util.user_frames(eqn.source_info.traceback):
+            if not frame.file_name.startswith(skip_dir):
+                return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    except Exception:  # pragma: no cover - best effort across JAX versions
+        pass
+    return source_line(eqn)
 
 
 def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
@@ -59,3 +75,86 @@ def copy_shards(arrays: list, shardings: list) -> list:
     except (ImportError, AttributeError):  # pragma: no cover - another JAX version
         return jax.device_put(arrays, shardings)
     return copy(list(arrays), devices, list(shardings), [reuse] * len(arrays))
+
+
+def load_compiled_on(compiled, src_devices, dst_devices):
+    """`compiled` (a `jax.stages.Compiled` for `src_devices`) loaded onto `dst_devices` without
+    compiling again: device `src_devices[i]` becomes `dst_devices[i]`, in the executable's device
+    assignment and in every input/output sharding. The XLA executable is serialized and
+    deserialized with the new device list (what JAX's own cross-host executable sharing does).
+    Returns None where this JAX version or this executable does not allow it (host callbacks,
+    closed-over constants, shardings of an unknown kind, devices of another process): the caller
+    then compiles."""
+    import dataclasses
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+    try:
+        from jax._src.lib import xla_client as xc
+        from jax._src.sharding_impls import GSPMDSharding
+
+        unloaded = compiled._executable._unloaded_executable
+        if unloaded is None or unloaded.host_callbacks or unloaded.mut:
+            return None
+        if compiled._params.const_args or unloaded.pgle_profiler is not None:
+            return None
+        old_devices = list(unloaded.device_list)
+    except (AttributeError, ImportError):  # pragma: no cover - another JAX version
+        return None
+    me = jax.process_index()
+    if any(d.process_index != me for d in (*src_devices, *dst_devices)):
+        return None  # another process's devices: only compile there (multi-controller)
+    move = dict(zip(src_devices, dst_devices, strict=True))
+    if any(d not in move for d in old_devices):
+        return None
+    meshes: dict = {}
+
+    def moved(s):
+        if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
+            m = s.mesh
+            if m not in meshes:
+                devs = m.devices
+                flat = [move.get(d) for d in devs.flat]
+                if any(d is None for d in flat):
+                    return None
+                arr = np.array(flat, dtype=object).reshape(devs.shape)
+                meshes[m] = Mesh(arr, m.axis_names, axis_types=m.axis_types)
+            return NamedSharding(meshes[m], s.spec, memory_kind=s.memory_kind)
+        if isinstance(s, SingleDeviceSharding):
+            (d,) = s.device_set
+            return SingleDeviceSharding(move[d], memory_kind=s.memory_kind) if d in move else None
+        if isinstance(s, GSPMDSharding):
+            devs = [move.get(d) for d in s._device_assignment]
+            if any(d is None for d in devs):
+                return None
+            return GSPMDSharding(devs, s._hlo_sharding, memory_kind=s.memory_kind)
+        return None
+
+    ins = [moved(s) for s in unloaded.input_shardings]
+    outs = [moved(s) for s in unloaded.output_shardings]
+    if any(s is None for s in ins + outs):
+        return None
+    device_list = xc.DeviceList(tuple(move[d] for d in old_devices))
+    backend = unloaded.backend
+    options = xc.CompileOptions()
+    options.num_replicas = 1
+    options.num_partitions = len(old_devices)
+    options.device_assignment = xc.DeviceAssignment.create(
+        np.array([[d.id for d in device_list]], dtype=int)
+    )
+    xla_exe = backend.deserialize_executable(
+        backend.serialize_executable(unloaded.xla_executable),
+        executable_devices=device_list,
+        compile_options=options,
+    )
+    relocated = dataclasses.replace(
+        unloaded,
+        xla_executable=xla_exe,
+        device_list=device_list,
+        input_shardings=tuple(ins),
+        output_shardings=tuple(outs),
+    )
+    return jax.stages.Compiled(
+        relocated.load(), [], compiled.args_info, compiled.out_tree, no_kwargs=compiled._no_kwargs
+    )

@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 
 import jax
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
+
+from jaxpp_integration.jax_compat import user_source_line
 
 marker_p = Primitive("pipeline_marker")
 marker_p.multiple_results = True
@@ -103,3 +106,50 @@ mlir.register_lowering(marker_p, lambda ctx, *args, **_: list(args))
 
 def is_marker(eqn) -> bool:
     return eqn.primitive is marker_p
+
+
+# What the user wrote, for the primitives that carry a sub-jaxpr.
+_CONSTRUCTS = {
+    "checkpoint": "jax.checkpoint / remat",
+    "remat2": "jax.checkpoint / remat",
+    "jit": "jax.jit",
+    "pjit": "jax.jit",
+    "closed_call": "a nested call",
+    "core_call": "a nested call",
+    "scan": "lax.scan",
+    "cond": "lax.cond",
+    "while": "lax.while_loop",
+    "custom_jvp_call": "jax.custom_jvp",
+    "custom_vjp_call": "jax.custom_vjp",
+    "custom_vjp_call_jaxpr": "jax.custom_vjp",
+    "shard_map": "shard_map",
+}
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def check_markers_top_level(jaxpr) -> None:
+    """Raises if a stage marker sits inside a sub-jaxpr of the loop body (in `remat`, `jit`,
+    `scan`, `cond`, ...): the partitioner cuts only the body's top-level equations, so such a
+    marker would be ignored or mis-number the stages. Names the marker's source line and every
+    enclosing construct, innermost first."""
+    found = _first_nested_marker(jaxpr, ())
+    if found is None:
+        return
+    eqn, enclosing = found
+    inside = " inside ".join(_CONSTRUCTS.get(p, p) for p in reversed(enclosing))
+    raise ValueError(
+        f"pipeline_enter_stage at {user_source_line(eqn, _PACKAGE_DIR)} is inside {inside}, "
+        "where the engine cannot cut stages; move the marker to the top level of the microbatch "
+        "function (between remat/jit/scan/cond blocks, not inside them)"
+    )
+
+
+def _first_nested_marker(jaxpr, enclosing: tuple):
+    for eqn in jaxpr.eqns:
+        if is_marker(eqn) and enclosing:
+            return eqn, enclosing
+        for sub in jaxprs_in_params(eqn.params):
+            found = _first_nested_marker(sub, (*enclosing, eqn.primitive.name))
+            if found is not None:
+                return found
+    return None

@@ -171,16 +171,21 @@ class _Builder:
         return inputs
 
     def before_loop(self) -> None:
-        """Free work the loop (or a free step output) needs, replicated per rank, plus the
-        accumulator inits. Free work only after-loop tasks need is recomputed inside them, so
-        the optimizer compiles as one piece, as it does under plain jax.jit."""
+        """Free work the loop needs, replicated per rank, plus the accumulator inits. Free work
+        only after-loop tasks need is recomputed inside them, so the optimizer compiles as one
+        piece, as it does under plain jax.jit; so is a free step output (an optimizer's step
+        count) on a rank that has after-loop work. A rank left with no free work gets its
+        accumulators as host-made fills: no before-loop program to compile."""
         body_out_avals = self.loop_eqn.params["body"].out_avals
+        self.after_ranks = {
+            r for e in self.placement.after for r in self.placement.eqn_ranks.get(id(e), ())
+        }
         for r in range(self.mpmd_dim):
             targets = {v for v, ranks in self.loop_need.items() if r in ranks}
             targets |= {
                 v
                 for v, ranks in zip(self.jaxpr.outvars, self.placement.output_ranks)
-                if r in ranks and v in self.free_out
+                if r in ranks and v in self.free_out and r not in self.after_ranks
             }
             eqns = _dce(self.placement.free_eqns, targets)
             produced = [o for e in eqns for o in e.outvars if o in targets]
@@ -188,7 +193,8 @@ class _Builder:
             if not eqns:
                 for j in accs:
                     self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
-                    init = np.asarray(self.ops[j].init(self.n_mb, body_out_avals[j]))
+                    # a fresh host array, not a view of a device array (a Fill could alias it)
+                    init = self.ops[j].host_init(self.n_mb, body_out_avals[j])
                     self.instrs.append(Fill(self.acc_slot[j], r, init))
                 continue
             reads = _reads(eqns)
@@ -274,9 +280,20 @@ class _Builder:
         for v, s in zip(task.outvars, outs):  # send right away, so the transfer overlaps
             for r in sorted(self.consumers.get(v, ())):
                 if r != rank:
-                    dst = self.new(r, v.aval, "value")  # "activation": a rank's own stage only
+                    dst = self.new(r, v.aval, self.received_kind(v, r))
                     self.instrs.append(Transfer(s, dst, rank, r))
                     self.mb_slot[(v, mb, r)] = dst
+
+    def received_kind(self, v, rank) -> str:
+        """A loop value received by `rank` is an activation if a forward task there reads it
+        (the previous stage's output, kept for the backward too); else (a cotangent, even one
+        the last stage's forward task made) a plain value."""
+        fwd_readers = {
+            self.schedule.stage_to_rank(stage)
+            for (stage, phase), task in self.body.tasks.items()
+            if phase is Phase.FWD and v in task.invars
+        }
+        return "activation" if rank in fwd_readers else "value"
 
     def after_loop(self) -> None:
         """Placed work per (segment, rank), inputs from other ranks transferred in first."""
@@ -289,21 +306,26 @@ class _Builder:
                 groups.setdefault((seg[(id(e), r)], r), []).append(e)
         _recompute_elementwise(groups, self.placement.after)
         step_outs = {v for v in self.jaxpr.outvars if isinstance(v, Var)}
+        free_outs_left = {  # free step outputs before_loop left to this rank's after-loop work
+            r: {
+                v
+                for v, ranks in zip(self.jaxpr.outvars, self.placement.output_ranks)
+                if r in ranks and v in self.free_out and (v, r) not in self.where
+            }
+            for r in self.after_ranks
+        }
+        # what each program reads from outside itself (a recomputed copy of an equation reads
+        # its inputs from the program that made them, so those must be exported)
+        group_reads = {key: set(_reads(eqns)) for key, eqns in groups.items()}
         for (k, r), eqns in sorted(groups.items()):
             missing = {v for v in _reads(eqns) if v in self.free_out and (v, r) not in self.where}
+            missing |= free_outs_left.pop(r, set())  # in the rank's first after-loop task
             eqns = _dce(self.placement.free_eqns, missing) + eqns
             reads = _reads(eqns)
             ins = tuple(self.on_rank(v, r) for v in reads)
             # export only what other tasks or the step's outputs read; the rest stays fused
-            mine = {id(e) for e in eqns}
             read_elsewhere = {
-                v
-                for (k2, r2), other in groups.items()
-                if (k2, r2) != (k, r)
-                for e in other
-                if id(e) not in mine or r2 != r
-                for v in e.invars
-                if isinstance(v, Var)
+                v for key, other in group_reads.items() if key != (k, r) for v in other
             }
             produced = [o for e in eqns for o in e.outvars if o in read_elsewhere or o in step_outs]
             outs = []

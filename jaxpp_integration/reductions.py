@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -15,6 +16,10 @@ class Add:
 
     def init(self, n: int, aval) -> jax.Array:
         return jnp.zeros(aval.shape, aval.dtype)
+
+    def host_init(self, n: int, aval) -> np.ndarray:
+        """`init` computed on the host (no XLA compile)."""
+        return np.zeros(aval.shape, aval.dtype)
 
     def out_aval(self, n: int, aval):
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
@@ -38,6 +43,10 @@ class Concat:
         out = self.out_aval(n, aval)
         return jnp.zeros(out.shape, out.dtype)
 
+    def host_init(self, n: int, aval) -> np.ndarray:
+        out = self.out_aval(n, aval)
+        return np.zeros(out.shape, out.dtype)
+
     def update(self, acc, value, index):
         return lax.dynamic_update_index_in_dim(acc, jnp.asarray(value, acc.dtype), index, self.axis)
 
@@ -49,12 +58,16 @@ class Max:
     def out_aval(self, n: int, aval):
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
-    def init(self, n: int, aval) -> jax.Array:
+    def _fill(self, aval):
         if jnp.issubdtype(aval.dtype, jnp.floating):
-            fill = -jnp.inf
-        else:
-            fill = jnp.iinfo(aval.dtype).min
-        return jnp.full(aval.shape, fill, aval.dtype)
+            return -np.inf
+        return jnp.iinfo(aval.dtype).min
+
+    def init(self, n: int, aval) -> jax.Array:
+        return jnp.full(aval.shape, self._fill(aval), aval.dtype)
+
+    def host_init(self, n: int, aval) -> np.ndarray:
+        return np.full(aval.shape, self._fill(aval), aval.dtype)
 
     def update(self, acc, value, index):
         return jnp.maximum(acc, value)

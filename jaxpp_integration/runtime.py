@@ -7,11 +7,17 @@ target group's matching device (runs of consecutive transfers in one runtime cal
 deterministically.
 
 It also keeps the books: logical bytes alive per group after every instruction (and the part of
-them that are forward activations), and, when asked, measured per-task start/end times.
+them that are forward activations, received ones included), and, when asked, measured per-task
+start/end times. The byte figures are logical: computed from the shapes of the values the
+program holds, in program order, not read off devices. `measuring_device_bytes()` checks them:
+inside it, every step also records the bytes of the device buffers actually alive per device
+after each instruction (slow; off unless that context is active).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import time
 
@@ -25,7 +31,13 @@ from jaxpp_integration.transfer import cross_process_transfer
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Bytes alive per group over one step (logical bytes of the values each group holds)."""
+    """Logical bytes alive per group over one step: the sizes (from shapes and dtypes) of the
+    values each group holds after each instruction, in program order. Not a device reading:
+    XLA's temporaries inside a task are not in it, and asynchronous dispatch may free a buffer
+    later than its Delete. `activation_timeline` / `peak_activation_bytes` count forward
+    activations: those a group's forward tasks keep for their backward or send, and those it
+    received from the previous stage's group. A donated buffer is counted as freed by the task
+    it is donated to (XLA writes the task's output into it)."""
 
     timeline: list  # per instruction: tuple of live bytes per rank
     activation_timeline: list  # per instruction: live forward-activation bytes per rank
@@ -66,6 +78,9 @@ def execute(
         live[prog.slot_rank[s]] += prog.slot_bytes[s]
     timeline, act_timeline = [], []
     events = []
+    probe = _DEVICE_PROBE.get()
+    if probe is not None:
+        probe.begin(inputs.values())
     for idx, ins in enumerate(prog.instrs):
         if isinstance(ins, Run) and ins.code.rank not in local_ranks:
             for s in ins.outs:
@@ -73,6 +88,7 @@ def execute(
                 live[r] += prog.slot_bytes[s]
                 if prog.slot_kind[s] == "activation":
                     act[r] += prog.slot_bytes[s]
+            _free_donated(prog, ins, live, act)
         elif isinstance(ins, Run):
             t0 = time.perf_counter() if record_times else 0.0
             outs = executables[idx](*[regs[s] for s in ins.ins])
@@ -85,6 +101,7 @@ def execute(
                 live[r] += prog.slot_bytes[s]
                 if prog.slot_kind[s] == "activation":
                     act[r] += prog.slot_bytes[s]
+            _free_donated(prog, ins, live, act)
         elif isinstance(ins, Transfer):
             src_here, dst_here = ins.src_rank in local_ranks, ins.dst_rank in local_ranks
             if src_here and dst_here:
@@ -108,19 +125,23 @@ def execute(
             if prog.slot_kind[ins.dst] == "activation":
                 act[ins.dst_rank] += prog.slot_bytes[ins.dst]
         elif isinstance(ins, Fill):
-            if ins.rank in local_ranks:
-                regs[ins.slot] = jax.device_put(ins.value, slot_sharding[ins.slot])
+            if ins.rank in local_ranks:  # a fresh buffer (on CPU it could alias host memory
+                # the program keeps, which the first accumulation then could not donate)
+                regs[ins.slot] = jax.device_put(ins.value, slot_sharding[ins.slot], may_alias=False)
             live[ins.rank] += prog.slot_bytes[ins.slot]
         elif isinstance(ins, Delete):
             v = regs[ins.slot]
             if v is not None and not ins.donated and not v.is_deleted():
                 v.delete()
             regs[ins.slot] = None
-            live[ins.rank] -= prog.slot_bytes[ins.slot]
-            if prog.slot_kind[ins.slot] == "activation":
-                act[ins.rank] -= prog.slot_bytes[ins.slot]
+            if not ins.donated:  # a donated buffer was freed by the task it went to
+                live[ins.rank] -= prog.slot_bytes[ins.slot]
+                if prog.slot_kind[ins.slot] == "activation":
+                    act[ins.rank] -= prog.slot_bytes[ins.slot]
         timeline.append(tuple(live))
         act_timeline.append(tuple(act))
+        if probe is not None:
+            probe.record()
     outputs = [{r: regs[s] for r, s in slots.items()} for slots in prog.outputs]
     report = MemoryReport(
         timeline,
@@ -129,6 +150,73 @@ def execute(
         tuple(max(t[r] for t in act_timeline) if act_timeline else 0 for r in range(n)),
     )
     return outputs, report, events
+
+
+def _free_donated(prog: Program, run: Run, live: list, act: list) -> None:
+    for d in run.donate:
+        s = run.ins[d]
+        live[prog.slot_rank[s]] -= prog.slot_bytes[s]
+        if prog.slot_kind[s] == "activation":
+            act[prog.slot_rank[s]] -= prog.slot_bytes[s]
+
+
+@dataclasses.dataclass
+class DeviceBytes:
+    """Bytes of device buffers alive per device id after each instruction of the steps run
+    inside `measuring_device_bytes()` (one list per step). Counted: the step's inputs and every
+    buffer made during the step; not counted: buffers that were alive before the step and are
+    not its inputs (the caller's other arrays, the program's constants). Each buffer once, even
+    if several arrays share it."""
+
+    steps: list = dataclasses.field(default_factory=list)
+    _before: dict = dataclasses.field(default_factory=dict)  # buffer -> array kept alive
+
+    def begin(self, inputs) -> None:
+        taken = {key for x in inputs for key, _ in _buffers(x)}
+        # hold the arrays alive before the step, so no new buffer can reuse their addresses
+        self._before = {key: a for a in jax.live_arrays() for key, _ in _buffers(a)}
+        for key in taken:
+            self._before.pop(key, None)
+        self.steps.append([])
+
+    def record(self) -> None:
+        per_device: dict = {}
+        seen = set(self._before)
+        for a in jax.live_arrays():
+            for key, nbytes in _buffers(a):
+                if key not in seen:
+                    seen.add(key)
+                    per_device[key[0]] = per_device.get(key[0], 0) + nbytes
+        self.steps[-1].append(per_device)
+
+
+def _buffers(a):
+    """((device id, buffer address), bytes) of each of a live array's device buffers."""
+    if a.is_deleted():
+        return []
+    out = []
+    for shard in a.addressable_shards:
+        buf = shard.data
+        out.append(((shard.device.id, buf.unsafe_buffer_pointer()), buf.nbytes))
+    return out
+
+
+_DEVICE_PROBE: contextvars.ContextVar[DeviceBytes | None] = contextvars.ContextVar(
+    "jaxpp_device_probe", default=None
+)
+
+
+@contextlib.contextmanager
+def measuring_device_bytes():
+    """Inside this context every step also measures device buffers after each instruction (a
+    scan of `jax.live_arrays()` each time, which waits for every task: for tests and
+    diagnostics only). Yields the `DeviceBytes` that collects them."""
+    probe = DeviceBytes()
+    token = _DEVICE_PROBE.set(probe)
+    try:
+        yield probe
+    finally:
+        _DEVICE_PROBE.reset(token)
 
 
 def prepare(prog: Program, slot_sharding, local_ranks) -> None:

@@ -133,7 +133,7 @@ def _one_f_one_b(
     n_chunks: int,
     n_microbatches: int,
     warmup: int,
-    fuse_last_stage: bool = False,
+    fuse: str = "none",
 ) -> list[Item]:
     """Warm-up forwards, then alternate one forward / one backward, then the remaining backwards.
 
@@ -141,8 +141,10 @@ def _one_f_one_b(
     go through each chunk in groups of ``mpmd_dim`` (Megatron's depth-first order): the k-th
     forward uses chunk (k // p) % v and microbatch (k // (p v)) p + k % p; backwards visit the
     chunks in reverse. For one chunk the k-th forward/backward is simply microbatch k.
-    ``fuse_last_stage`` emits an adjacent fwd/bwd of the same last-stage microbatch as one
-    FusedTask.
+
+    ``fuse`` says which steady-state (forward, backward) pairs become one ``FusedTask``, as in
+    JaxPP: ``"none"``; ``"last"``, the pairs whose forward is the last stage (on the last rank
+    the pair's backward is then that same stage and microbatch); ``"all"``, every pair.
     """
     p, v = mpmd_dim, n_chunks
     total = v * n_microbatches
@@ -159,15 +161,7 @@ def _one_f_one_b(
     out: list[Item] = [op(k, Phase.FWD) for k in range(warmup)]
     for i in range(total - warmup):
         fwd, bwd = op(warmup + i, Phase.FWD), op(i, Phase.BWD)
-        if (
-            fuse_last_stage
-            and fwd.stage == last_stage
-            and (bwd.stage, bwd.microbatch)
-            == (
-                fwd.stage,
-                fwd.microbatch,
-            )
-        ):
+        if fuse == "all" or (fuse == "last" and fwd.stage == last_stage):
             out.append(FusedTask((fwd, bwd)))
         else:
             out += [fwd, bwd]
@@ -225,8 +219,14 @@ class Std1F1B(Schedule):
 
 @dataclass(frozen=True)
 class Eager1F1B(Schedule):
-    """1F1B with min(m, 2(p-r)-1) warm-up forwards on rank r (rank 0 of 4 runs 7): more
-    activations in flight (up to 2(p-r)) buys slack to hide transfer latency.
+    """JaxPP's Eager1F1B: rank r runs min(m, 2(p-r)-1) forwards before its first backward
+    (7 on rank 0 of 4, 1 on the last rank, like Std1F1B), then alternates one backward / one
+    forward. One more activation in flight per hop from the last rank (up to 2(p-r)-1 on rank r)
+    buys slack to hide transfer latency.
+
+    As in JaxPP (where it is ``Interleaved1F1B`` with one chunk per rank), the last rank's
+    steady-state forward and backward of the same microbatch are one
+    ``FusedTask(fwd_{p-1}__k, bwd_{p-1}__k)``.
     """
 
     mpmd_dim: int
@@ -241,7 +241,8 @@ class Eager1F1B(Schedule):
     def tasks(self, n_microbatches: int) -> list[list[Item]]:
         self._check_microbatches(n_microbatches)
         p = self.mpmd_dim
-        return [_one_f_one_b(r, p, 1, n_microbatches, 2 * (p - r) - 1) for r in range(p)]
+        # 2(p-1-r) warm-up forwards; the steady state opens with one more forward.
+        return [_one_f_one_b(r, p, 1, n_microbatches, 2 * (p - 1 - r), "last") for r in range(p)]
 
 
 @dataclass(frozen=True)
@@ -255,13 +256,16 @@ class Interleaved1F1B(Schedule):
     min(v m, (v-1) p + 2 (p-1-r) + 1) chunk activations, i.e. (p + (p-1)/v) full-stage
     activations on rank 0 (Korthikanti et al. / Megatron).
 
-    With ``fuse_steady_state`` (default) the last stage's forward and backward of the same
-    microbatch, adjacent in the steady state, are one ``FusedTask(fwd, bwd)``.
+    Fusion follows JaxPP's ``fuse_steady_state`` flag. By default (False) only the last
+    stage's steady-state pairs are fused: its forward and backward of the same microbatch are one
+    ``FusedTask(fwd_{n-1}__k, bwd_{n-1}__k)``. With True every steady-state (forward, backward)
+    pair of every rank is one ``FusedTask`` (e.g. ``FusedTask(fwd_2__2, bwd_2__0)``); warm-up
+    forwards and cool-down backwards stay single.
     """
 
     num_stages: int
     mpmd_dim: int
-    fuse_steady_state: bool = True
+    fuse_steady_state: bool = False
 
     def __post_init__(self) -> None:
         _check_mpmd_dim("Interleaved1F1B", self.mpmd_dim)
@@ -290,13 +294,11 @@ class Interleaved1F1B(Schedule):
                 f"{self!r}.tasks({m}): the number of microbatches must be a multiple of "
                 f"mpmd_dim={p}; use {p * max(1, round(m / p))}"
             )
-        return [
-            _one_f_one_b(r, p, v, m, (v - 1) * p + 2 * (p - 1 - r), self.fuse_steady_state)
-            for r in range(p)
-        ]
+        fuse = "all" if self.fuse_steady_state else "last"
+        return [_one_f_one_b(r, p, v, m, (v - 1) * p + 2 * (p - 1 - r), fuse) for r in range(p)]
 
     def __repr__(self) -> str:
-        extra = "" if self.fuse_steady_state else ", fuse_steady_state=False"
+        extra = ", fuse_steady_state=True" if self.fuse_steady_state else ""
         return f"Interleaved1F1B(num_stages={self.num_stages}, mpmd_dim={self.mpmd_dim}{extra})"
 
 
@@ -311,6 +313,9 @@ class ZeroBubble(Schedule):
     ahead, so with F = B_I = B_W the bubble is (p-1)/(3m+p-1) (one third of 1F1B's idle time)
     for every m >= p. Every rank holds at most min(m, p) activations, the peak of 1F1B (its
     rank 0); later ranks hold more than their 1F1B counterparts, which is what buys the bubble.
+    The engine runs every stage's backward, the first and the last included, as these two tasks
+    (``partition.py``), so the last stage's weight gradients are deferred as ZB-H1 plans, not
+    run inside its forward.
     """
 
     mpmd_dim: int
@@ -362,9 +367,12 @@ class DualPipeV(Schedule):
       ``split_backward=False`` each backward is one BWD and the W slots disappear.
     * DualPipeV overlaps the steady-state "F & B" pairs (forward of one chunk with backward of the
       other) to hide MoE all-to-all communication. Here the pairs are consecutive tasks by
-      default; ``fuse_overlap=True`` emits each pair as one ``FusedTask`` (the engine compiles it
-      as one program, which lets XLA overlap them) except the last rank's first pair, which
-      DualPipeV also leaves unfused.
+      default; ``fuse_overlap=True`` emits each pair as one ``FusedTask`` except the last rank's
+      first pair, which DualPipeV also leaves unfused. The engine runs a FusedTask's parts back to
+      back as separate programs (same task instances, same results); the simulator counts a
+      pair as one item costing the sum of its parts.
+    * The step order is DeepSeek's reference DualPipeV's; JaxPP's ``DualPipeV`` departs from
+      it at the tail of the schedule.
 
     With F = B_I = B_W per stage and no transfer cost the simulated bubble is 3.5% at p=8, m=32
     (6.8% with ``fuse_overlap``, where a pair costs the sum of its parts); peak activations are

@@ -4,7 +4,10 @@ This module owns the cost model (``Costs``), the timeline record format (``Event
 engine's runtime also produces from measurements) and ``simulate``, which replays a schedule with
 the same list-scheduling rules the validator uses (``schedules.list_schedule``): each rank runs its
 list in order and an item starts once its rank is free and all its dependencies have finished, plus
-``transfer`` when the producer ran on another rank.
+``transfer`` when the producer ran on another rank. For a loop with a backward the engine runs
+exactly the task instances replayed here, in the same order per rank (``program.py`` uses the
+same replay with the default costs; ``tests/test_engine_split_backward.py`` checks it for every
+built-in schedule), so a simulated program and a real one are the same task set.
 
 Activation model: an activation of (stage, microbatch) is live on its rank from the end of its
 forward until the end of its last backward piece (``bwd``, or ``bwdW`` when the backward is split).

@@ -15,7 +15,8 @@ def _host(x):
 
 def bits(x) -> np.ndarray:
     """The raw bit pattern of an array (as unsigned ints of the same width)."""
-    a = np.ascontiguousarray(_host(x))
+    a = _host(x)
+    a = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes a scalar 1-d
     if a.dtype == np.bool_:
         return a.view(np.uint8)
     return a.view(np.dtype(f"u{a.dtype.itemsize}"))
@@ -87,13 +88,18 @@ def group_devices(mpmd_mesh, group: int) -> set:
 
 def assert_on_group(mpmd_array, mpmd_mesh, groups):
     """An `MpmdArray` is held exactly by `groups`, and each of its per-group arrays sits on that
-    group's devices (not merely reports the right group index)."""
+    group's devices (not merely reports the right group index): its sharding's device set and
+    the devices of the buffers it actually holds are both that group's."""
     groups = tuple(groups)
     assert tuple(mpmd_array.mpmd_idxs) == groups, f"held by {mpmd_array.mpmd_idxs}, want {groups}"
     local = mpmd_array.arrays  # only this process's groups
     assert local, "no group of this array is held by this process"
+    assert set(local) <= set(groups), f"holds arrays for groups {sorted(local)}, want {groups}"
     for g, arr in local.items():
-        assert set(arr.sharding.device_set) == group_devices(mpmd_mesh, g), (
-            f"group {g}'s array is on {sorted(d.id for d in arr.sharding.device_set)}, "
-            f"want {sorted(d.id for d in group_devices(mpmd_mesh, g))}"
+        want = group_devices(mpmd_mesh, g)
+        ids = lambda devices: sorted(d.id for d in devices)
+        assert set(arr.sharding.device_set) == want, (
+            f"group {g}'s array is on {ids(arr.sharding.device_set)}, want {ids(want)}"
         )
+        held = {d for shard in arr.addressable_shards for d in shard.data.devices()}
+        assert held == want, f"group {g}'s buffers are on {ids(held)}, want {ids(want)}"

@@ -111,17 +111,20 @@ def mpmd_mesh(num_groups, inner=1, names=("stage", "fsdp")):
     return jaxpp.MpmdMesh(jax.sharding.Mesh(devices, names), names[0])
 
 
-def run_both(step, params, opt_state, batch, mesh, steps=3, **mpmd_kwargs):
-    """Runs `steps` steps under jax.jit and pipelined; returns both trajectories' final values."""
+def run_both(step, params, opt_state, batch, mesh, steps=3, each_step=None, **mpmd_kwargs):
+    """Runs `steps` steps under jax.jit and pipelined; returns both trajectories' final values.
+    `each_step(k, ref_out, pipelined_out)`, if given, is called after every step."""
     ref = jax.jit(step)
     pp = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mesh, **mpmd_kwargs)
     compiled = pp.compile(params, opt_state, batch)
     r = p = (params, opt_state)
     losses = []
-    for _ in range(steps):
+    for k in range(steps):
         r_out = ref(*r, batch)
         p_out = compiled(*p, batch)
         losses.append((np.asarray(r_out[2]), np.asarray(p_out[2])))
+        if each_step is not None:
+            each_step(k, r_out, p_out)
         r, p = r_out[:2], p_out[:2]
     return r_out, p_out, losses, compiled
 

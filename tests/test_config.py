@@ -168,7 +168,6 @@ def test_config_errors_in_process(case):
 def test_more_config_errors():
     cases = [
         (["pipeline_schedule=1fb1"], "pipeline_schedule=1fb1 is not one of"),
-        (["pipeline_parallelism=2", "scan_layers=true"], "scan_layers=true cannot be combined"),
         (["pipeline_parallelism=2", "num_pipeline_repeats=2"], "needs pipeline_schedule="),
         (["learning_rate=fast"], "expected a number"),
         (["enable_tensorboard=1"], "expected true or false"),

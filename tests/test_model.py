@@ -197,6 +197,38 @@ def test_marker_positions(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_stages_are_one_scan_each_with_markers_between(remat):
+    """scan_layers=true, 7 layers on 4 stages (2, 2, 2, 1): the top level of the forward pass is
+    scan, marker, scan, marker, scan, marker, scan; each scan runs its stage's layers over a
+    `layers_stage_<s>` stack; no marker inside a scan; remat (jax's `remat2` equation, i.e.
+    `jax.checkpoint`) sits inside the scan body."""
+    config = small_config(
+        "scan_layers=true",
+        "pipeline_parallelism=4",
+        "num_decoder_layers=7",
+        f"remat_policy={remat}",
+    )
+    model, params = abstract_params(config)
+    assert {k: params[k]["mlp"]["wo"].shape[0] for k in params if k.startswith("layers")} == {
+        "layers_stage_0": 2, "layers_stage_1": 2, "layers_stage_2": 2, "layers_stage_3": 1,
+    }  # fmt: skip
+    x = tokens(config)
+    with jaxpp_marker.stage_counting():
+        jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params)
+    kinds = [
+        "|" if jaxpp_marker.is_marker(e) else f"scan{e.params['length']}"
+        for e in jaxpr.jaxpr.eqns
+        if jaxpp_marker.is_marker(e) or e.primitive.name == "scan"
+    ]
+    assert " ".join(kinds) == "scan2 | scan2 | scan2 | scan1"
+    top, nested = _top_level_markers(config)
+    assert top == [0, 1, 2] and not nested
+    bodies = [e.params["jaxpr"].jaxpr for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    has_remat = ["remat2" in {q.primitive.name for q in b.eqns} for b in bodies]
+    assert has_remat == [remat == "full"] * 4
+
+
 def test_no_markers_without_pipeline():
     top, nested = _top_level_markers(small_config())
     assert top == [] and nested == []

@@ -116,10 +116,57 @@ def test_interleaved_other_ranks_golden():
     )
 
 
-def test_interleaved_without_fusion_splits_the_pair():
-    row = Interleaved1F1B(4, 4, fuse_steady_state=False).tasks(4)[3]
-    assert names(row) == [f"{ph}_3__{k}" for k in range(4) for ph in ("fwd", "bwd")]
-    assert repr(Interleaved1F1B(4, 4, fuse_steady_state=False)).endswith("fuse_steady_state=False)")
+def test_interleaved_fuse_steady_state_default_fuses_only_the_last_stage():
+    # JaxPP's flag: False (the default) fuses the last stage's fwd/bwd pair and nothing else.
+    assert Interleaved1F1B(8, 4) == Interleaved1F1B(8, 4, fuse_steady_state=False)
+    rows = Interleaved1F1B(8, 4).tasks(8)
+    fused_items = [(rank, item) for rank, row in enumerate(rows) for item in row]
+    fused_items = [(rank, item) for rank, item in fused_items if isinstance(item, FusedTask)]
+    assert {rank for rank, _ in fused_items} == {3}
+    assert [str(item) for _, item in fused_items] == [fused(7, k) for k in range(8)]
+
+
+def test_interleaved_fuse_steady_state_true_fuses_every_steady_state_pair():
+    four = Interleaved1F1B(4, 4, fuse_steady_state=True).tasks(4)
+    # Rank 2: 2 warm-up forwards, 2 steady-state pairs (fwd of mb k+2 with bwd of mb k), cool-down.
+    assert names(four[2]) == [
+        "fwd_2__0",
+        "fwd_2__1",
+        "FusedTask(fwd_2__2, bwd_2__0)",
+        "FusedTask(fwd_2__3, bwd_2__1)",
+        "bwd_2__2",
+        "bwd_2__3",
+    ]
+    assert names(four[3]) == [fused(3, k) for k in range(4)]
+    assert names(four[0]) == [f"fwd_0__{k}" for k in range(4)] + [f"bwd_0__{k}" for k in range(4)]
+    eight = Interleaved1F1B(8, 4, fuse_steady_state=True).tasks(8)
+    assert names(eight[2]) == (
+        [f"fwd_2__{k}" for k in range(4)]
+        + ["fwd_6__0", "fwd_6__1"]
+        + [
+            "FusedTask(fwd_6__2, bwd_6__0)",
+            "FusedTask(fwd_6__3, bwd_6__1)",
+            "FusedTask(fwd_2__4, bwd_6__2)",
+            "FusedTask(fwd_2__5, bwd_6__3)",
+            "FusedTask(fwd_2__6, bwd_2__0)",
+            "FusedTask(fwd_2__7, bwd_2__1)",
+            "FusedTask(fwd_6__4, bwd_2__2)",
+            "FusedTask(fwd_6__5, bwd_2__3)",
+            "FusedTask(fwd_6__6, bwd_6__4)",
+            "FusedTask(fwd_6__7, bwd_6__5)",
+        ]
+        + ["bwd_6__6", "bwd_6__7", "bwd_2__4", "bwd_2__5", "bwd_2__6", "bwd_2__7"]
+    )
+    # Every rank: the same tasks in the same order as the default, only grouped differently.
+    default = Interleaved1F1B(8, 4).tasks(8)
+    for rank in range(4):
+        assert list(iter_items(eight[rank])) == list(iter_items(default[rank]))
+        pairs = [item for item in eight[rank] if isinstance(item, FusedTask)]
+        singles = [item for item in eight[rank] if not isinstance(item, FusedTask)]
+        assert all([t.phase for t in pair] == [F, B] for pair in pairs)
+        # warm-up + cool-down: (v-1) p + 2 (p-1-r) each
+        assert len(singles) == 2 * (4 + 2 * (3 - rank))
+    assert repr(Interleaved1F1B(4, 4, fuse_steady_state=True)).endswith("fuse_steady_state=True)")
 
 
 def test_interleaved_two_rounds_rank_0():
@@ -141,9 +188,10 @@ def test_interleaved_two_rounds_rank_0():
 
 
 def forwards_before_first_backward(row):
+    """Forward tasks (fused ones included) before the first backward task."""
     count = 0
-    for item in row:
-        if any(t.phase is not F for t in iter_items([item])):
+    for task in iter_items(row):
+        if task.phase is not F:
             return count
         count += 1
     return count
@@ -162,13 +210,19 @@ def test_warmup_counts(p, m):
         assert forwards_before_first_backward(gpipe[rank]) == m
         # 1F1B: p-1-r warm-up forwards, then the steady state starts with one more forward.
         assert forwards_before_first_backward(std[rank]) == min(m, p - rank)
-        assert forwards_before_first_backward(eager[rank]) == min(m, 2 * (p - rank))
+        # JaxPP's Eager1F1B: 2(p-r)-1 forwards before the first backward.
+        assert forwards_before_first_backward(eager[rank]) == min(m, 2 * (p - rank) - 1)
 
 
-def test_eager_rank_0_of_4_runs_7_forwards_before_its_first_backward():
-    # 7 warm-up forwards; the steady state then begins with forward 7, backward 0.
-    row = Eager1F1B(4).tasks(16)[0]
-    assert names(row[:9]) == [f"fwd_0__{k}" for k in range(8)] + ["bwd_0__0"]
+def test_eager_rank_0_of_4_runs_7_forwards_and_the_last_rank_1_like_std1f1b():
+    rows = Eager1F1B(4).tasks(16)
+    assert names(rows[0][:9]) == [f"fwd_0__{k}" for k in range(7)] + ["bwd_0__0", "fwd_0__7"]
+    assert names(rows[2][:4]) == ["fwd_2__0", "fwd_2__1", "fwd_2__2", "bwd_2__0"]
+    # The last rank: as Std1F1B, but each pair fused as in JaxPP (Eager1F1B is its
+    # Interleaved1F1B with one chunk, whose default fuses the last stage's pairs).
+    assert names(rows[3]) == [fused(3, k) for k in range(16)]
+    std_last = Std1F1B(4).tasks(16)[3]
+    assert list(iter_items(rows[3])) == list(iter_items(std_last))
 
 
 def test_gpipe_and_1f1b_order():
@@ -280,12 +334,30 @@ def test_dualpipev_validates(p, extra):
             DualPipeV(p, split_backward=split, fuse_overlap=fuse).validate(m)
 
 
-def test_every_schedule_runs_each_stage_microbatch_phase_once():
-    for sched, m in [(Interleaved1F1B(12, 4), 8), (DualPipeV(3), 7), (ZeroBubble(5), 9)]:
-        all_tasks = [t for row in sched.tasks(m) for t in iter_items(row)]
-        assert len(all_tasks) == len(set(all_tasks))
-        for t in all_tasks:
-            assert sched.stage_to_rank(t.stage) in range(sched.mpmd_dim)
+COMPLETE = [
+    (GPipe(3), 5),
+    (Std1F1B(4), 6),
+    (Eager1F1B(4), 9),
+    (Interleaved1F1B(12, 4), 8),
+    (Interleaved1F1B(8, 4, fuse_steady_state=True), 8),
+    (ZeroBubble(5), 9),
+    (DualPipeV(3), 7),
+    (DualPipeV(3, fuse_overlap=True), 8),
+    (DualPipeV(2, split_backward=False), 5),
+]
+
+
+@pytest.mark.parametrize(("sched", "m"), COMPLETE, ids=[repr(s) for s, _ in COMPLETE])
+def test_every_schedule_runs_each_stage_microbatch_phase_exactly_once(sched, m):
+    phases = (F, BI, BW) if sched.split_backward else (F, B)
+    all_tasks = [t for row in sched.tasks(m) for t in iter_items(row)]
+    assert len(all_tasks) == sched.num_stages * m * len(phases)
+    stages = range(sched.num_stages)
+    expected = {Task(s, mb, ph) for s in stages for mb in range(m) for ph in phases}
+    assert set(all_tasks) == expected
+    # ... each on the rank its stage lives on
+    for rank, row in enumerate(sched.tasks(m)):
+        assert {t.stage for t in iter_items(row)} == set(sched.rank_stages(rank))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_peak_activations_single_chunk(p, m):
     if m >= p:
         assert std[0] == p
     eager = simulate(Eager1F1B(p), m, UNIT).peak_live_activations
-    assert eager == tuple(min(m, 2 * (p - r)) for r in range(p))
+    assert eager == tuple(min(m, 2 * (p - r) - 1) for r in range(p))
     zb = simulate(ZeroBubble(p), m, SPLIT_UNIT).peak_live_activations
     # ZB-H1 keeps every rank at or below 1F1B's peak (rank 0's min(m, p)).
     assert zb == tuple([min(m, p)] * p)

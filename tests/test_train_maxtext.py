@@ -21,7 +21,7 @@ from small_model import SMALL_MODEL
 
 from MaxText import devices, sharding
 from MaxText.config import CONFIGS_DIR, ConfigError, load_config
-from MaxText.model import Decoder
+from MaxText.model import Decoder, canonical_init, init_params
 from MaxText.optimizer import _decay_mask, make_optimizer
 from MaxText.train_step import CPU_INIT_COMPILER_OPTIONS, _init_on, state_specs
 
@@ -97,9 +97,10 @@ def test_opt_type_is_the_optax_optimizer(tmp_path):
 
 
 def test_init_weights_seed_is_the_flax_init_with_that_key(tmp_path):
-    """The state initialiser with init_weights_seed=7 equals flax's `init` with key 7 (not the
-    key of `seed`), bitwise: the reference is a plain jax.jit of `model.init` compiled with the
-    same XLA:CPU options."""
+    """The state initialiser with init_weights_seed=7 equals the model's flax initialisation
+    with key 7 (not the key of `seed`), bitwise: the reference runs `canonical_init` and
+    `init_params` (the model's own init, every layer from one stacked initialisation) as two
+    plain jax.jit programs compiled with the same XLA:CPU options."""
     config = config_for(tmp_path, "init_weights_seed=7")
     mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
     model = Decoder(config)
@@ -107,15 +108,24 @@ def test_init_weights_seed_is_the_flax_init_with_that_key(tmp_path):
     _, specs = state_specs(config, model, optimizer)
     init_state, _ = _init_on(mesh, config, model, optimizer, specs)
     got = jax.tree.map(np.asarray, init_state()["params"])
+
     tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
-    key7 = jax.random.key(7)
-    init = (
-        jax.jit(lambda key: nn.unbox(model.init(key, tokens))["params"])
-        .lower(key7)
-        .compile(compiler_options=CPU_INIT_COMPILER_OPTIONS)  # XLA:CPU's cheap RNG compile
-    )
-    assert_bitwise(init(key7), got, what="init ")
-    seed0 = init(jax.random.key(config.seed))
+    options = CPU_INIT_COMPILER_OPTIONS  # XLA:CPU's cheap RNG compile, as the trainer uses
+
+    def reference(key):
+        canonical = (
+            jax.jit(lambda k: nn.unbox(canonical_init(config, k, tokens)))
+            .lower(key)
+            .compile(compiler_options=options)(key)
+        )
+        return (
+            jax.jit(lambda k, c: nn.unbox(init_params(model, k, tokens, c)))
+            .lower(key, canonical)
+            .compile(compiler_options=options)(key, canonical)
+        )
+
+    assert_bitwise(reference(jax.random.key(7)), got, what="init ")
+    seed0 = reference(jax.random.key(config.seed))
     assert not np.allclose(seed0["token_embedding"], got["token_embedding"])
 
 

@@ -1,0 +1,189 @@
+"""One XLA compilation per distinct task program: identical stages on different groups share a
+compile, loaded onto each group's own devices.
+
+Compilations are counted with JAX's own backend-compile event (`jax.monitoring`), not with a
+counter of the engine, so the tests see every real XLA compile. References are plain `jax.jit`
+of the same step (results) and hand counts of the distinct programs of a uniform pipeline."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from compare import assert_bitwise, assert_on_group, group_devices
+from engine_models import make_step, mpmd_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpp_integration as jaxpp
+from jaxpp_integration.jax_compat import load_compiled_on
+from jaxpp_integration.program import Run
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_backend_compiles():
+    """Counts XLA compilations (JAX's backend-compile duration event) inside the block."""
+    seen = []
+
+    def listener(event, duration, **_):
+        if event == BACKEND_COMPILE:
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def uniform_mlp(num_stages, n_mb=4, width=8, rows=2, seed=0):
+    """`num_stages` identical tanh layers, a marker between stages, MSE loss."""
+    key = jax.random.PRNGKey(seed)
+    keys = jax.random.split(key, num_stages + 2)
+    params = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[:num_stages]]
+    x = jax.random.normal(keys[-2], (n_mb, rows, width))
+    y = jax.random.normal(keys[-1], (n_mb, rows, width))
+
+    def loss_fn(p, batch):
+        h, target = batch
+        for s, w in enumerate(p):
+            h = jnp.tanh(h @ w)
+            if s < num_stages - 1:
+                h = jaxpp.pipeline_enter_stage(h)
+        return jnp.mean((h - target) ** 2)
+
+    return params, (x, y), loss_fn
+
+
+def _compile_counted(step, mesh, args, **kwargs):
+    jax.clear_caches()
+    with count_backend_compiles() as seen:
+        compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mesh, **kwargs).compile(*args)
+    return compiled, len(seen)
+
+
+# Distinct programs of a uniform pipeline with Std1F1B and SGD, whatever the number of stages
+# N >= 3: fwd of the first stage (slices the batch), of the middle stages (shared), of the last
+# (the loss, its backward fused); bwd of the middle stages (shared) and of the first (no input
+# cotangent); one after-loop SGD update for all ranks. No before-loop program: SGD has no
+# step counter, and the gradient accumulators start as host-made zeros (no compile).
+UNIFORM_DISTINCT_PROGRAMS = 6
+
+
+@pytest.mark.parametrize("num_stages", [3, 4])
+def test_uniform_stages_compile_once_per_distinct_program(num_stages):
+    """N uniform stages on N groups: the XLA compile count is the number of distinct programs
+    (the same for 3 and 4 groups, not N x), every other group's task is a loaded copy, each
+    group's executables live on that group's devices, and the step equals jax.jit bitwise."""
+    params, batch, loss_fn = uniform_mlp(num_stages)
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(params)
+    step = make_step(loss_fn, opt, jaxpp.Std1F1B(num_stages))
+    mesh = mpmd_mesh(num_stages)
+    compiled, n_compiles = _compile_counted(step, mesh, (params, opt_state, batch))
+
+    codes = {id(i.code): i.code for i in compiled.program.instrs if isinstance(i, Run)}
+    assert n_compiles == UNIFORM_DISTINCT_PROGRAMS, [c.name for c in codes.values()]
+    assert compiled.compile_stats.compiles == n_compiles
+    assert compiled.compile_stats.loads == len(codes) - n_compiles
+
+    for idx, ins in enumerate(compiled.program.instrs):
+        if isinstance(ins, Run):
+            exe = compiled.executables[idx]
+            want = group_devices(mesh, ins.code.rank)
+            for sh in (*exe.input_shardings[0], *exe.output_shardings):
+                assert set(sh.device_set) == want, (ins.name, sh)
+
+    ref = jax.jit(step)(params, opt_state, batch)
+    got = compiled(params, opt_state, batch)
+    assert_bitwise(ref, got)
+    for s in range(num_stages):
+        assert_on_group(got[0][s], mesh, (s,))
+        assert_on_group(got[3][s], mesh, (s,))
+
+
+def test_loaded_copies_run_collectives_on_their_group():
+    """4 groups x 2 devices, weights sharded P("fsdp") inside each group: the optimizer update
+    (one program, compiled for group 0 and loaded onto groups 1-3) runs its cross-device work on
+    each group's own pair of devices. Reference: jax.jit with the same sharding on a 2-device
+    fsdp mesh; the loss is bitwise, and the parameters within 1e-6 of each leaf's scale, as in
+    test_engine_features.test_fsdp_inside_stages_equals_jit (the sharded update fuses
+    differently in the after-loop program)."""
+    params, batch, loss_fn = uniform_mlp(4)
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(params)
+    step = make_step(loss_fn, opt, jaxpp.Std1F1B(4))
+    spec = lambda leaf: P("fsdp") if leaf.ndim >= 1 else P()  # noqa: E731
+    specs = (jax.tree.map(spec, params), jax.tree.map(spec, opt_state), P())
+    mesh = mpmd_mesh(4, inner=2)
+    compiled, n_compiles = _compile_counted(step, mesh, (params, opt_state, batch), in_specs=specs)
+    assert (
+        n_compiles
+        == compiled.compile_stats.compiles
+        < len({id(i.code) for i in compiled.program.instrs if isinstance(i, Run)})
+    )
+    ref_mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    put = lambda tree, sp: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.device_put(x, NamedSharding(ref_mesh, s)), tree, sp
+    )
+    ref = jax.jit(step)(put(params, specs[0]), put(opt_state, specs[1]), batch)
+    got = compiled(params, opt_state, batch)
+    assert_bitwise(ref[2], got[2])
+    for a, b in zip(jax.tree.leaves(ref[0]), jax.tree.leaves(got[0]), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * np.abs(a).max())
+    for s in range(4):
+        assert_on_group(got[0][s], mesh, (s,))
+        assert got[0][s].first_array.sharding.spec == P("fsdp")
+
+
+def test_load_compiled_on_other_devices_runs_there_without_compiling():
+    """`jax_compat.load_compiled_on`: a sharded program with a cross-device reduction and a
+    donated input, compiled for devices 0-1 and loaded onto 2-3 without an XLA compile, gives
+    the original executable's results bitwise, on devices 2-3, and consumes its donated input."""
+    devs = jax.devices()
+    m0 = jax.sharding.Mesh(np.array(devs[0:2]).reshape(1, 2), ("stage", "fsdp"))
+    m1 = jax.sharding.Mesh(np.array(devs[2:4]).reshape(1, 2), ("stage", "fsdp"))
+    specs = (P("fsdp"), P(None, "fsdp"), P())
+
+    def f(x, w, acc):
+        return jnp.tanh(x @ w).sum(0), acc + x.sum()
+
+    avals = [
+        jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(m0, s))
+        for shape, s in zip([(8, 16), (16, 16), ()], specs)
+    ]
+    c0 = jax.jit(f, donate_argnums=(2,)).lower(*avals).compile()
+    with count_backend_compiles() as seen:
+        c1 = load_compiled_on(c0, list(m0.devices.flat), list(m1.devices.flat))
+    assert c1 is not None and not seen
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((8, 16)), rng.standard_normal((16, 16)), np.float32(1.0)]
+    host = [np.asarray(h, np.float32) for h in host]
+    on = lambda m: [jax.device_put(h, NamedSharding(m, s)) for h, s in zip(host, specs)]  # noqa: E731
+    a0, a1 = on(m0), on(m1)
+    out0, out1 = c0(*a0), c1(*a1)
+    assert_bitwise(out0, out1)
+    for o in out1:
+        assert set(o.sharding.device_set) == set(devs[2:4])
+    assert a1[2].is_deleted()
+
+
+def test_compile_threads_gives_the_same_program():
+    """compile_threads=2 compiles independent programs concurrently: the same number of XLA
+    compiles and the same results as jax.jit, bitwise."""
+    params, batch, loss_fn = uniform_mlp(4)
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(params)
+    step = make_step(loss_fn, opt, jaxpp.Std1F1B(4))
+    compiled, n_compiles = _compile_counted(
+        step, mpmd_mesh(4), (params, opt_state, batch), compile_threads=2
+    )
+    assert n_compiles == UNIFORM_DISTINCT_PROGRAMS
+    assert_bitwise(jax.jit(step)(params, opt_state, batch), compiled(params, opt_state, batch))
