@@ -53,6 +53,7 @@ MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Conf
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline_schedule": PIPELINE_SCHEDULES,
+    "gradient_reduction": ("step", "microbatch"),
     "decoder_block": ("llama", "gpt"),
     "hardware": ("auto", "cpu", "gpu", "gpu_multiprocess"),
     "opt_type": ("adamw", "adam", "sgd", "adafactor"),
@@ -62,7 +63,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16", "float16"),
     "weight_dtype": ("float32", "bfloat16", "float16"),
     "remat_policy": ("none", "full", "minimal", "save_qkv_proj", "save_dot_except_mlp"),
-    "dataset_type": ("text", "synthetic", "tfds"),
+    "dataset_type": ("text", "synthetic", "tfds", "grain"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk"),
 }
 
@@ -87,6 +88,10 @@ class Config:
     pipeline_schedule: str
     num_pipeline_microbatches: int
     num_pipeline_repeats: int
+    # pipeline communication
+    gradient_reduction: str
+    pipeline_hang_timeout_s: float
+    pipeline_fsdp_ag_once: bool
     # multi-host
     coordinator_address: str
     num_processes: int
@@ -136,13 +141,21 @@ class Config:
     async_checkpointing: bool
     max_num_checkpoints_to_keep: int
     load_parameters_path: str
-    # data
+    # ---- data (MaxText names; validated by `_validate_data`)
     dataset_type: str
     dataset_path: str
     dataset_name: str
-    dataset_split: str
+    train_split: str
+    eval_split: str
     tokenizer_path: str
+    tokenizer_type: str
     eval_split_fraction: float
+    data_shuffle_seed: int
+    packing: bool
+    grain_train_files: str
+    grain_eval_files: str
+    grain_worker_count: int
+    # ---- end of data
     # generation
     prompt: str
     max_prefill_predict_length: int
@@ -485,7 +498,8 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     for key in ("steps", "global_batch_size", "head_dim", "process_id"):
         if v[key] < 0:
             raise ConfigError(f"{key}={v[key]}: must be >= 0")
-    for key in ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay"):
+    nonneg = ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay")
+    for key in (*nonneg, "pipeline_hang_timeout_s"):
         if v[key] < 0:
             raise ConfigError(f"{key}={v[key]}: must be >= 0")
     for key in ("warmup_steps_fraction", "learning_rate_final_fraction", "adam_b1", "adam_b2"):
@@ -505,6 +519,7 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         )
     if v["per_device_batch_size"] <= 0:
         raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: must be > 0")
+    _validate_data(v)
     _resolve_parallelism(v, None)
     for axis in MESH_AXES:
         v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
@@ -634,6 +649,45 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         v["init_weights_seed"] = v["seed"]
     v["mu_dtype"] = v["mu_dtype"] or v["weight_dtype"]
     return v
+
+
+# ------------------------------------------------------------------------------------ data keys
+
+# MaxText's tokenizer_type values this trainer does not read, with the reason.
+UNSUPPORTED_TOKENIZER_TYPES = {
+    "huggingface": "only sentencepiece models are read (tokenizer_path=*.model)",
+    "tiktoken": "only sentencepiece models are read (tokenizer_path=*.model)",
+}
+
+
+def _validate_data(v: dict[str, Any]) -> None:
+    """The data block's checks (dataset_type is checked with the other choices)."""
+    if v["tokenizer_type"] in UNSUPPORTED_TOKENIZER_TYPES:
+        raise ConfigError(
+            f"tokenizer_type={v['tokenizer_type']} is not supported here: "
+            f"{UNSUPPORTED_TOKENIZER_TYPES[v['tokenizer_type']]}"
+        )
+    if v["tokenizer_type"] != "sentencepiece":
+        raise ConfigError(f"tokenizer_type={v['tokenizer_type']} is not one of sentencepiece")
+    if v["grain_worker_count"] < 0:
+        raise ConfigError(f"grain_worker_count={v['grain_worker_count']}: must be >= 0")
+    if v["dataset_type"] == "grain" and not v["grain_train_files"]:
+        raise ConfigError(
+            "dataset_type=grain needs grain_train_files= (a glob of *.array_record shards written "
+            "by python -m MaxText.data.prepare)"
+        )
+    if v["dataset_type"] == "grain" and v["eval_interval"] > 0 and not v["grain_eval_files"]:
+        raise ConfigError(
+            f"eval_interval={v['eval_interval']} needs held-out data: set grain_eval_files= (e.g. "
+            "the eval-*.array_record of prepare --eval_fraction) or eval_interval=0"
+        )
+    if not v["train_split"]:
+        raise ConfigError("train_split= must name a split (MaxText's default: train)")
+    if not v["packing"] and v["dataset_type"] in ("text", "tfds"):
+        raise ConfigError(
+            f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
+            "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )
 
 
 def load_config(argv: Sequence[str]) -> Config:

@@ -50,8 +50,13 @@ SAVED_KEYS = (
     "dataset_type",
     "dataset_path",
     "dataset_name",
-    "dataset_split",
+    "train_split",
+    "eval_split",
     "tokenizer_path",
+    "tokenizer_type",
+    "packing",
+    "grain_train_files",
+    "grain_eval_files",
     "eval_split_fraction",
 )
 # Generation runs on one device: these keys are forced, whatever the command line says.

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText import attention
 from MaxText.config import Config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -96,12 +97,15 @@ def apply_rope(x_BxLxNxD, positions_BxL, max_timescale: float):
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with grouped-query heads (num_kv_heads <= num_query_heads)."""
+    """Causal multi-head attention with grouped-query heads (num_kv_heads <= num_query_heads).
+
+    Projections and RoPE here; the masked softmax itself is a kernel of `MaxText/attention.py`.
+    `segment_ids_BxL` (packed rows) restricts each token to its own segment; None: causal only."""
 
     config: Config
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL):
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None):
         c = self.config
         dtype, wdtype = dtype_of(c.dtype), dtype_of(c.weight_dtype)
         e, h, k, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
@@ -130,16 +134,8 @@ class Attention(nn.Module):
             q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, c.rope_max_timescale)
             k_BxLxKxD = apply_rope(k_BxLxKxD, positions_BxL, c.rope_max_timescale)
 
-        b, length = x.shape[0], x.shape[1]
-        q_BxLxKxGxD = q_BxLxHxD.reshape(b, length, k, h // k, d) * jnp.asarray(d**-0.5, dtype)
-        scores_BxKxGxLxL = jnp.einsum(
-            "blkgd,bmkd->bkglm", q_BxLxKxGxD, k_BxLxKxD, preferred_element_type=jnp.float32
-        )
-        causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores_BxKxGxLxL = jnp.where(causal_LxL, scores_BxKxGxLxL, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores_BxKxGxLxL, axis=-1).astype(dtype)
-        ctx_BxLxKxGxD = jnp.einsum("bkglm,bmkd->blkgd", probs, v_BxLxKxD)
-        ctx_BxLxHxD = checkpoint_name(ctx_BxLxKxGxD.reshape(b, length, h, d), "context")
+        ctx_BxLxHxD = attention.dot_product(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
+        ctx_BxLxHxD = checkpoint_name(ctx_BxLxHxD, "context")
 
         out_kernel = _param(
             self, "out_kernel", fan_in_init((0, 1), 2), (h, d, e), ("heads", "kv", "embed"), wdtype
@@ -189,10 +185,10 @@ class DecoderLayer(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL):
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None):
         c = self.config
         h = Attention(c, name="self_attention")(
-            norm_for(c, "pre_attention_norm")(x_BxLxE), positions_BxL
+            norm_for(c, "pre_attention_norm")(x_BxLxE), positions_BxL, segment_ids_BxL
         )
         x_BxLxE = x_BxLxE + h
         h = MLP(c, name="mlp")(norm_for(c, "pre_mlp_norm")(x_BxLxE))
@@ -203,8 +199,8 @@ class ScannedDecoderLayer(DecoderLayer):
     """`DecoderLayer` with the (carry, output) signature `nn.scan` expects."""
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL):
-        return super().__call__(x_BxLxE, positions_BxL), None
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None):
+        return super().__call__(x_BxLxE, positions_BxL, segment_ids_BxL), None
 
 
 REMAT_SAVED_NAMES = {

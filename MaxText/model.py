@@ -2,7 +2,9 @@
 
 `Decoder(config)(tokens_BxL) -> logits_BxLxV` (float32): token embedding (plus learned positions for
 the gpt block), `num_decoder_layers` decoder layers, final norm, output head (its own kernel, or the
-transposed token embedding with `logits_via_embedding=true`).
+transposed token embedding with `logits_via_embedding=true`). Packed rows pass `positions_BxL`
+(restarting at 0 in every document) and `segment_ids_BxL` (1, 2, ... per document, 0 for padding):
+attention then stays inside each document (`MaxText/attention.py`).
 
 The only pipeline knowledge here is where stages end: when `config.num_stages > 1` the model calls
 `jaxpp.pipeline_enter_stage` on the hidden state right after the last layer of every stage but the
@@ -36,7 +38,7 @@ class Decoder(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, tokens_BxL, positions_BxL=None):
+    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
         c = self.config
         dtype, wdtype = layers.dtype_of(c.dtype), layers.dtype_of(c.weight_dtype)
         if positions_BxL is None:
@@ -66,13 +68,17 @@ class Decoder(nn.Module):
         stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
         if c.scan_layers:
             for name, first, count in scanned_blocks(c):
-                x_BxLxE = _constrain(self._scan(name, count, x_BxLxE, positions_BxL))
+                x_BxLxE = _constrain(
+                    self._scan(name, count, x_BxLxE, positions_BxL, segment_ids_BxL)
+                )
                 if first + count - 1 in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
         else:
             layer_cls = layers.layer_class(c)
             for i in range(c.num_decoder_layers):
-                x_BxLxE = _constrain(layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL))
+                x_BxLxE = _constrain(
+                    layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL, segment_ids_BxL)
+                )
                 if i in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
 
@@ -92,7 +98,7 @@ class Decoder(nn.Module):
 
     def _scan(self, name: str, length: int, x_BxLxE, *per_token_args):
         """`length` layers as one `nn.scan` over weights stacked under `name` (leading axis =
-        layer). `per_token_args` (positions, ...) are broadcast to every layer, unchanged."""
+        layer). `per_token_args` (positions, segment ids) are broadcast to every layer."""
         scanned = nn.scan(
             layers.layer_class(self.config, scanned=True),
             variable_axes={"params": 0},

@@ -8,7 +8,8 @@ tree (`MaxText/checkpoint_layout.py`), so a checkpoint written by one layout can
 
 The step is a pure function `(state, batch) -> (state, metrics)`:
 
-1. the batch `{"inputs", "targets", "targets_mask"}` of shape [B, L] is split into
+1. the batch `{"inputs", "targets", "targets_mask"}` of shape [B, L] (packed rows also
+   `"inputs_segmentation"`, `"inputs_position"`: `batch_keys`) is split into
    `num_pipeline_microbatches` (M) microbatches [M, B/M, L]; microbatch i holds rows i, M+i, 2M+i...
    so every microbatch stays evenly split over the data-parallel devices;
 2. `jaxpp.treduce` runs forward + backward on each microbatch and `Add`s the loss *sum*, the token
@@ -52,6 +53,8 @@ from MaxText.model import Decoder, canonical_init, cross_entropy_sums, init_para
 log = logging.getLogger(__name__)
 
 BATCH_KEYS = ("inputs", "targets", "targets_mask")
+# Packed rows (dataset_type=grain, packing=true) add per-document segment ids and positions.
+PACKED_BATCH_KEYS = (*BATCH_KEYS, "inputs_segmentation", "inputs_position")
 METRIC_KEYS = ("loss", "grad_norm", "raw_grad_norm", "learning_rate", "tokens")
 
 
@@ -62,9 +65,25 @@ def split_microbatches(x_BxL, num_microbatches: int):
     return jnp.swapaxes(x, 0, 1)
 
 
+def batch_keys(config: Config) -> tuple[str, ...]:
+    """The step's batch keys: packed rows carry segment ids and positions (MaxText's names)."""
+    packed = config.dataset_type == "grain" and config.packing
+    return PACKED_BATCH_KEYS if packed else BATCH_KEYS
+
+
 def make_loss_fn(model: Decoder) -> Callable:
+    packed = batch_keys(model.config) == PACKED_BATCH_KEYS
+
     def loss_fn(params, batch):
-        logits_BxLxV = model.apply({"params": params}, batch["inputs"])
+        if packed:  # attention stays in each document; positions restart per document
+            logits_BxLxV = model.apply(
+                {"params": params},
+                batch["inputs"],
+                batch["inputs_position"],
+                batch["inputs_segmentation"],
+            )
+        else:
+            logits_BxLxV = model.apply({"params": params}, batch["inputs"])
         return cross_entropy_sums(logits_BxLxV, batch["targets"], batch["targets_mask"])
 
     return loss_fn
@@ -83,7 +102,7 @@ def make_train_step(
 
     def train_step(state, batch):
         params = state["params"]
-        microbatches = {k: split_microbatches(batch[k], m) for k in BATCH_KEYS}
+        microbatches = {k: split_microbatches(batch[k], m) for k in batch_keys(config)}
 
         def microbatch_grads(mb):
             (loss_sum, count), grads = grad_fn(params, mb)
@@ -122,7 +141,7 @@ def make_eval_step(model: Decoder, num_microbatches: int = 1, schedule: Any = No
     loss_fn = make_loss_fn(model)
 
     def eval_step(params, batch):
-        batch = {k: batch[k] for k in BATCH_KEYS}
+        batch = {k: batch[k] for k in batch_keys(model.config)}
         if schedule is None:
             loss_sum, count = loss_fn(params, batch)
         else:
@@ -189,18 +208,13 @@ class Trainer:
 def _batch_shapes(config: Config, length: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     shape = (config.global_batch_size, length or config.max_target_length)
     return {
-        "inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
-        "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
-        "targets_mask": jax.ShapeDtypeStruct(shape, jnp.float32),
+        k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "targets_mask" else jnp.int32)
+        for k in batch_keys(config)
     }
 
 
-def _as_step_batch(batch: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {
-        "inputs": np.asarray(batch["inputs"], np.int32),
-        "targets": np.asarray(batch["targets"], np.int32),
-        "targets_mask": np.asarray(batch["targets_mask"], np.float32),
-    }
+def _as_step_batch(batch: dict[str, Any], keys: tuple[str, ...] = BATCH_KEYS):
+    return {k: np.asarray(batch[k], np.float32 if k == "targets_mask" else np.int32) for k in keys}
 
 
 def build_trainer(config: Config, mesh: Mesh, model: Decoder | None = None) -> Trainer:
@@ -265,7 +279,7 @@ def _init_on(mesh: Mesh, config, model, optimizer, specs):
 def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> Trainer:
     init_state, state_shardings = _init_on(mesh, config, model, optimizer, specs)
     batch_sharding = NamedSharding(mesh, sharding.batch_spec())
-    batch_shardings = {k: batch_sharding for k in BATCH_KEYS}
+    batch_shardings = {k: batch_sharding for k in batch_keys(config)}
     replicated = NamedSharding(mesh, PartitionSpec())
     step = make_train_step(config, model, optimizer, lr_schedule, schedule=None)
     jitted = jax.jit(
@@ -298,7 +312,7 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         # Each process holds its own rows (MaxText.data gives B / num_processes of them).
         return {
             k: jax.make_array_from_process_local_data(batch_sharding, v)
-            for k, v in _as_step_batch(batch).items()
+            for k, v in _as_step_batch(batch, batch_keys(config)).items()
         }
 
     return Trainer(
@@ -328,7 +342,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     # later step reuses the outputs where they live.
     first_group = mpmd_mesh.unstack[min(jaxpp.api.local_ranks(mpmd_mesh))]
     init_state, state_shardings = _init_on(first_group, config, model, optimizer, specs)
-    batch_specs = {k: sharding.batch_spec() for k in BATCH_KEYS}
+    batch_specs = {k: sharding.batch_spec() for k in batch_keys(config)}
     step = make_train_step(config, model, optimizer, lr_schedule, schedule=schedule)
     pipelined = jaxpp.mpmd_jit_with_loop(
         step,
@@ -336,11 +350,14 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         in_specs=(specs, batch_specs),
         out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
         donate_argnums=(0,),
+        gradient_reduction=config.gradient_reduction,
+        pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
+        pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
     )
 
     def put_batch(batch):
         # host arrays: the engine copies each to the groups that read it (first and last stage)
-        return _as_step_batch(batch)
+        return _as_step_batch(batch, batch_keys(config))
 
     t0 = time.perf_counter()
     example_batch = put_batch(

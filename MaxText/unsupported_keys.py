@@ -20,7 +20,7 @@ _CLOUD = "Google Cloud integration is not part of this trainer"
 _EMERGENCY = (
     "only orbax checkpoints under base_output_directory (async, keep-N, resume by run_name)"
 )
-_DATA = "dataset_type=hf and grain are not implemented (text, synthetic, tfds are)"
+_DATA = "dataset_type=hf is not implemented (text, synthetic, tfds, grain are)"
 _AOT = (
     "ahead-of-time compilation for another topology is not implemented; the step is "
     "compiled before the first step on the devices present"
@@ -165,9 +165,6 @@ UNSUPPORTED: dict[str, str] = {
     "hf_eval_split": _DATA,
     "hf_eval_files": _DATA,
     "hf_access_token": _DATA,
-    "grain_train_files": _DATA,
-    "grain_eval_files": _DATA,
-    "grain_worker_count": _DATA,
     "expansion_factor_real_data": "every process loads its own rows (SPMD) or the whole batch "
     "(pipelined)",
 }

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpp_integration import partition as _partition
 from jaxpp_integration import placement as _placement
 from jaxpp_integration import program as _program
+from jaxpp_integration import unreduced as _unreduced
 from jaxpp_integration.array import MpmdArray
 from jaxpp_integration.compile import compile_program
 from jaxpp_integration.fetch import fetch
@@ -45,6 +46,8 @@ from jaxpp_integration.schedules import (
 )
 from jaxpp_integration.transfer import cross_process_transfer
 from jaxpp_integration.treduce import pipelined_tracing, treduce
+from jaxpp_integration.validation import check_cross_process_order
+from jaxpp_integration.watchdog import Watchdog, describe_instruction
 
 __all__ = [
     "Add",
@@ -141,6 +144,7 @@ class CompiledMpmdFunction:
     compile_stats: Any = None  # compile.CompileStats: XLA compiles vs executables loaded
     last_memory: MemoryReport | None = None
     last_events: list | None = None
+    watchdog: Watchdog | None = None
 
     @property
     def closed_jaxpr(self):
@@ -172,15 +176,11 @@ class CompiledMpmdFunction:
                 v = self._place_input(values[j], r, self.slot_sharding[s])
                 if v is not None:
                     inputs[s] = v
-        outs, report, events = execute(
-            self.program,
-            self.executables,
-            self.slot_sharding,
-            inputs,
-            record_times=record_times,
-            local_ranks=self.local_ranks,
-            mpmd_axis=self.mpmd_mesh.mpmd_axis_name,
-        )
+        try:
+            outs, report, events = self._execute(inputs, record_times)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.leave()
         self.last_memory = report
         self.last_events = events if record_times else None
         arrays = [
@@ -196,6 +196,18 @@ class CompiledMpmdFunction:
         if self.out_specs is not None:
             arrays = [_respec(a, spec) for a, spec in zip(arrays, self.out_specs)]
         return jax.tree.unflatten(self.out_tree, arrays)
+
+    def _execute(self, inputs, record_times):
+        return execute(
+            self.program,
+            self.executables,
+            self.slot_sharding,
+            inputs,
+            record_times=record_times,
+            local_ranks=self.local_ranks,
+            mpmd_axis=self.mpmd_mesh.mpmd_axis_name,
+            watchdog=self.watchdog,
+        )
 
     def _place_input(self, x, rank, sharding):
         """`x` on group `rank` with `sharding`, or None when that group is another process's.
@@ -253,9 +265,25 @@ class MpmdFunction:
         out_specs=None,
         donate_argnums=(),
         compile_threads: int = 0,
+        gradient_reduction: str = "step",
+        pipeline_hang_timeout_s: float | None = None,
+        pipeline_fsdp_ag_once: bool = False,
     ):
         if not isinstance(mpmd_mesh, MpmdMesh):
             raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
+        if gradient_reduction not in GRADIENT_REDUCTIONS:
+            raise ValueError(
+                f"gradient_reduction={gradient_reduction!r} is not one of "
+                f"{', '.join(GRADIENT_REDUCTIONS)}"
+            )
+        self.gradient_reduction = gradient_reduction
+        if pipeline_hang_timeout_s is not None and not pipeline_hang_timeout_s >= 0:
+            raise ValueError(
+                f"pipeline_hang_timeout_s={pipeline_hang_timeout_s!r} must be >= 0 seconds "
+                "(0 or None: no watchdog)"
+            )
+        self.pipeline_hang_timeout_s = pipeline_hang_timeout_s
+        self.pipeline_fsdp_ag_once = bool(pipeline_fsdp_ag_once)
         self.fn = fn
         self.mpmd_mesh = mpmd_mesh
         self.in_specs = in_specs
@@ -288,17 +316,51 @@ class MpmdFunction:
         return c(*args)
 
 
+GRADIENT_REDUCTIONS = ("step", "microbatch")
+
+
 def mpmd_jit_with_loop(
-    fn=None, *, mpmd_mesh, in_specs=None, out_specs=None, donate_argnums=(), compile_threads=0
+    fn=None,
+    *,
+    mpmd_mesh,
+    in_specs=None,
+    out_specs=None,
+    donate_argnums=(),
+    compile_threads=0,
+    gradient_reduction="step",
+    pipeline_hang_timeout_s=None,
+    pipeline_fsdp_ag_once=False,
 ):
     """Pipelines the single `treduce` loop of `fn` over the groups of `mpmd_mesh`.
 
     `compile_threads > 1` compiles independent task programs concurrently (for hosts with many
-    free cores, e.g. GPU hosts; on a 2-core CPU it does not pay, so the default is off)."""
-    make = lambda f: MpmdFunction(  # noqa: E731
-        f, mpmd_mesh, in_specs, out_specs, donate_argnums, compile_threads
+    free cores, e.g. GPU hosts; on a 2-core CPU it does not pay, so the default is off).
+
+    `gradient_reduction`: "step" (default) keeps the values `treduce` adds (gradients, loss
+    sums, token counts) unreduced over the data axes on each device and reduces them once per
+    step after the loop (equal to `jax.jit` up to the order of the sums, ~1e-7 relative);
+    "microbatch" reduces them in every task instance (bitwise equal to `jax.jit`).
+
+    `pipeline_hang_timeout_s`: under several processes, a process that waits longer than this
+    for a cross-process transfer prints where it is in the schedule (instruction, task,
+    microbatch, the group waited on) and exits with code 3 (`watchdog.py`); None or 0: off.
+
+    `pipeline_fsdp_ag_once`: weights sharded over the axes that split the batch (fsdp) are
+    gathered once per step per group and reused by every microbatch (all-gathers per step
+    independent of the number of microbatches; the gathered copies stay alive through the
+    loop and show in `last_memory`). Default False: each task gathers what it needs."""
+    kw = dict(
+        in_specs=in_specs,
+        out_specs=out_specs,
+        donate_argnums=donate_argnums,
+        compile_threads=compile_threads,
+        gradient_reduction=gradient_reduction,
+        pipeline_hang_timeout_s=pipeline_hang_timeout_s,
+        pipeline_fsdp_ag_once=pipeline_fsdp_ag_once,
     )
-    return make if fn is None else make(fn)
+    if fn is None:
+        return lambda f: MpmdFunction(f, mpmd_mesh, **kw)
+    return MpmdFunction(fn, mpmd_mesh, **kw)
 
 
 def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
@@ -330,14 +392,28 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         )
     n_mb = loop_eqn.params["n_microbatches"]
     schedule.validate(n_mb)
+    if jax.process_count() > 1:  # each pair of processes must send and receive in one order
+        check_cross_process_order(
+            schedule.tasks(n_mb),
+            schedule.num_stages,
+            schedule.split_backward,
+            schedule.stage_to_rank,
+            [mesh.devices_of(r)[0].process_index for r in range(mesh.mpmd_dim)],
+        )
+    loop_body, deferred = loop_eqn.params["body"], None
+    if f.gradient_reduction == "step":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with mesh.lowering_mesh():
+                loop_body, deferred = _unreduced.defer_step_reductions(jaxpr, specs, mesh)
     body = _partition.partition_body(
-        loop_eqn.params["body"],
+        loop_body,
         loop_eqn.params["n_consts"],
         schedule.num_stages,
         schedule.split_backward,
     )
     n_consts = loop_eqn.params["n_consts"]
-    top_for_body = dict(zip(loop_eqn.params["body"].jaxpr.invars, loop_eqn.invars))
+    top_for_body = dict(zip(loop_body.jaxpr.invars, loop_eqn.invars))
     loop_in_need: dict = {}
     for (stage, _), task in body.tasks.items():
         for v in task.invars:
@@ -355,6 +431,10 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         loop_eqn.params["ops"],
         loop_eqn.params["axis"],
         loop_in_need,
+        deferred,
+        loop_body,
+        _unreduced.gather_specs(jaxpr, specs) if f.pipeline_fsdp_ag_once else None,
+        _unreduced.reduced_specs(jaxpr, specs, deferred) if deferred else None,
     )
     donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in f.donate_argnums}
     prog = _program.add_deletes(prog, donated)
@@ -395,7 +475,15 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         schedule,
         local,
         stats,
+        watchdog=_watchdog(f.pipeline_hang_timeout_s, prog, mesh, local),
     )
+
+
+def _watchdog(timeout_s, prog, mesh: MpmdMesh, local) -> Watchdog | None:
+    if not timeout_s or jax.process_count() == 1:
+        return None
+    owner = lambda r: mesh.devices_of(r)[0].process_index  # noqa: E731
+    return Watchdog(timeout_s, lambda i: describe_instruction(prog, i, local, owner))
 
 
 BARRIER_TIMEOUT_S = 1800.0  # processes may compile at very different speeds

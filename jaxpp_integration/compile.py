@@ -122,6 +122,7 @@ def _key(code: TaskCode):
         tuple(str(i) for i in code.acc_inits),
         code.mb_slices,
         code.mb_axis,
+        code.out_specs,
     )
 
 
@@ -209,6 +210,8 @@ def compile_program(
         avals = [_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_sh)]
         t0 = time.perf_counter()
         fn = task_function(code, eqns)
+        if code.out_specs:
+            fn = _constrained(fn, code.out_specs, mpmd_mesh.unstack[code.rank])
         exe = jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals).compile()
         with lock:
             stats.compiles += 1
@@ -276,7 +279,8 @@ def compile_program(
                 for j, s in enumerate(ins.outs):
                     slot_sharding[s] = _Pending(job, j)
             elif isinstance(ins, Fill):
-                slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, PartitionSpec())
+                spec = prog.slot_spec.get(ins.slot, PartitionSpec())
+                slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, spec)
         executables = {idx: job.result() for idx, job in jobs.items()}
     finally:
         if pool is not None:
@@ -286,3 +290,16 @@ def compile_program(
 
 def literal_value(v):
     return v.val if isinstance(v, Literal) else None
+
+
+def _constrained(fn, specs, mesh: Mesh):
+    """`fn` with output i constrained to `specs[i]` on `mesh` (None: left to XLA)."""
+
+    def wrapped(*args):
+        outs = fn(*args)
+        return [
+            o if s is None else jax.lax.with_sharding_constraint(o, NamedSharding(mesh, s))
+            for o, s in zip(outs, specs)
+        ]
+
+    return wrapped

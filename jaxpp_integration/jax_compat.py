@@ -15,6 +15,19 @@ def source_line(eqn) -> str:
         return "<unknown source line>"
 
 
+def eqn_source_context(eqn):
+    """A context in which equations bound again carry `eqn`'s source line and name stack."""
+    import contextlib
+
+    try:
+        from jax._src import source_info_util
+
+        info = eqn.source_info
+        return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+    except Exception:  # pragma: no cover - best effort across JAX versions
+        return contextlib.nullcontext()
+
+
 def user_source_line(eqn, skip_dir: str) -> str:
     """Like `source_line`, but also skips frames whose file lies under `skip_dir` (e.g. this
     package, so a marker's equation names the model line that called `pipeline_enter_stage`)."""

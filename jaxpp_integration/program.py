@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 from jax.extend.core import Literal, Var
+from jax.sharding import PartitionSpec
 
 from jaxpp_integration.partition import PartitionedBody
 from jaxpp_integration.placement import Placement, after_segments
@@ -43,6 +44,7 @@ class TaskCode:
     acc_ops: tuple = ()  # (op, body-output position in outvars order) per accumulator
     acc_inits: tuple = ()  # before tasks: (op, n, aval) per accumulator to create
     mb_axis: int = 0
+    out_specs: tuple = ()  # per output: a PartitionSpec the result is constrained to, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Program:
     outputs: list  # per flat step output: {rank: slot}
     constants: dict  # slot -> numpy value (index scalars, literals)
     mpmd_dim: int
+    slot_spec: dict = dataclasses.field(default_factory=dict)  # slot -> spec a Fill must use
 
 
 _INDEX_AVAL = jax.core.ShapedArray((), np.int32)
@@ -111,8 +114,15 @@ class _Builder:
         ops,
         axis,
         loop_need: dict,
+        deferred: list | None = None,
+        loop_body=None,
+        gather_specs: dict | None = None,
+        reduce_specs: list | None = None,
     ):
         self.jaxpr = closed.jaxpr
+        self.reduce_specs = reduce_specs or [None] * len(placement.loop_eqn.outvars)
+        self.gather_specs = gather_specs or {}  # loop constant -> spec to gather it to
+        self.gathered: dict = {}  # (loop constant, rank) -> slot of its gathered copy
         self.placement, self.body, self.schedule = placement, body, schedule
         self.n_mb, self.ops, self.axis, self.loop_need = n_mb, ops, axis, loop_need
         self.mpmd_dim = schedule.mpmd_dim
@@ -129,6 +139,22 @@ class _Builder:
         self.loop_consts, self.loop_xs = loop_eqn.invars[:n_consts], loop_eqn.invars[n_consts:]
         self.acc_rank = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
         self.free_out = {o for e in placement.free_eqns for o in e.outvars}
+        # gradient_reduction="step": body outputs kept as partial sums [D, ...] over these axes
+        self.deferred = deferred or [None] * len(loop_eqn.outvars)
+        self.body_out_avals = (loop_body or loop_eqn.params["body"]).out_avals
+        self.slot_spec: dict = {}
+
+    def acc_aval(self, j):
+        return self.body_out_avals[j] if self.deferred[j] else self.loop_eqn.outvars[j].aval
+
+    def acc_spec(self, j, unconstrained=False):
+        axes = self.deferred[j]
+        if axes is None:
+            return None
+        rest = [PartitionSpec.UNCONSTRAINED if unconstrained else None] * (
+            len(self.body_out_avals[j].shape) - 1
+        )
+        return PartitionSpec(axes, *rest)
 
     # ---------------------------------------------------------------- slots
 
@@ -176,7 +202,7 @@ class _Builder:
         piece, as it does under plain jax.jit; so is a free step output (an optimizer's step
         count) on a rank that has after-loop work. A rank left with no free work gets its
         accumulators as host-made fills: no before-loop program to compile."""
-        body_out_avals = self.loop_eqn.params["body"].out_avals
+        body_out_avals = self.body_out_avals
         self.after_ranks = {
             r for e in self.placement.after for r in self.placement.eqn_ranks.get(id(e), ())
         }
@@ -192,20 +218,32 @@ class _Builder:
             accs = [j for j in range(len(body_out_avals)) if self.acc_rank[j] == r]
             if not eqns:
                 for j in accs:
-                    self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
+                    self.acc_slot[j] = self.new(r, self.acc_aval(j), "acc")
                     # a fresh host array, not a view of a device array (a Fill could alias it)
                     init = self.ops[j].host_init(self.n_mb, body_out_avals[j])
                     self.instrs.append(Fill(self.acc_slot[j], r, init))
+                    if self.deferred[j]:
+                        self.slot_spec[self.acc_slot[j]] = self.acc_spec(j)
                 continue
             reads = _reads(eqns)
             inits = tuple((self.ops[j], self.n_mb, body_out_avals[j]) for j in accs)
-            code = TaskCode(f"before_loop_{r}", r, "before", eqns, reads, produced, acc_inits=inits)
+            specs = (None,) * len(produced) + tuple(self.acc_spec(j) for j in accs)
+            code = TaskCode(
+                f"before_loop_{r}",
+                r,
+                "before",
+                eqns,
+                reads,
+                produced,
+                acc_inits=inits,
+                out_specs=specs if any(specs) else (),
+            )
             outs = []
             for o in produced:
                 outs.append(self.new(r, o.aval, "value"))
                 self.where[(o, r)] = outs[-1]
             for j in accs:
-                self.acc_slot[j] = self.new(r, self.loop_eqn.outvars[j].aval, "acc")
+                self.acc_slot[j] = self.new(r, self.acc_aval(j), "acc")
                 outs.append(self.acc_slot[j])
             ins = tuple(self.where[(v, r)] for v in reads) + (self.index(r, 0),)  # pins the rank
             self.instrs.append(Run(code, ins, tuple(outs), None))
@@ -220,6 +258,7 @@ class _Builder:
             for v in task.invars:
                 self.consumers.setdefault(v, set()).add(schedule.stage_to_rank(stage))
         self.codes: dict = {}
+        self.gather_once()
         replay = list_schedule(
             schedule.tasks(self.n_mb),
             schedule.num_stages,
@@ -234,6 +273,29 @@ class _Builder:
             for t in item_tasks(sched.item):
                 self.loop_task(t, sched.rank)
 
+    def gather_once(self) -> None:
+        """`pipeline_fsdp_ag_once`: one `gather_r` task per rank gathers the sharded loop
+        constants (weights) its loop tasks read, once per step; every microbatch reads the
+        gathered copy, which stays alive (and counted) until the rank's last loop task."""
+        for r in range(self.mpmd_dim):
+            wanted = []
+            for (stage, _), task in self.body.tasks.items():
+                if self.schedule.stage_to_rank(stage) != r:
+                    continue
+                for v in task.invars:
+                    top = self.loop_consts[self.const_index[v]] if v in self.const_index else None
+                    if top in self.gather_specs and top not in wanted:
+                        wanted.append(top)
+            if not wanted:
+                continue
+            ins = tuple(self.on_rank(v, r) for v in wanted)
+            outs = tuple(self.new(r, v.aval, "value") for v in wanted)
+            specs = tuple(self.gather_specs[v] for v in wanted)
+            code = TaskCode(f"gather_{r}", r, "after", [], wanted, wanted, out_specs=specs)
+            self.instrs.append(Run(code, ins, outs, None))
+            for v, s in zip(wanted, outs):
+                self.gathered[(v, r)] = s
+
     def loop_task(self, t: Task, rank) -> None:
         task = self.body.tasks[(t.stage, t.phase)]
         if not task.eqns and not task.owned_outputs:
@@ -241,6 +303,9 @@ class _Builder:
         mb = t.microbatch
         key = (t.stage, t.phase, rank)
         if key not in self.codes:
+            specs = (None,) * len(task.outvars) + tuple(
+                self.acc_spec(j, unconstrained=True) for j in task.owned_outputs
+            )
             self.codes[key] = TaskCode(
                 task.name,
                 rank,
@@ -253,11 +318,14 @@ class _Builder:
                 mb_slices=tuple(i for i, v in enumerate(task.invars) if v in self.mb_index),
                 acc_ops=tuple((self.ops[j], self.body.outvars[j]) for j in task.owned_outputs),
                 mb_axis=self.axis,
+                out_specs=specs if any(specs) else (),
             )
         ins = []
         for v in task.invars:
             if v in self.const_index:
-                ins.append(self.on_rank(self.loop_consts[self.const_index[v]], rank))
+                top = self.loop_consts[self.const_index[v]]
+                got = self.gathered.get((top, rank)) if isinstance(top, Var) else None
+                ins.append(got if got is not None else self.on_rank(top, rank))
             elif v in self.mb_index:
                 ins.append(self.on_rank(self.loop_xs[self.mb_index[v]], rank))
             else:
@@ -297,6 +365,7 @@ class _Builder:
 
     def after_loop(self) -> None:
         """Placed work per (segment, rank), inputs from other ranks transferred in first."""
+        self.reduce_deferred()
         for j, v in enumerate(self.loop_eqn.outvars):
             self.where[(v, self.acc_rank[j])] = self.acc_slot[j]
         seg = after_segments(self.placement)
@@ -335,6 +404,35 @@ class _Builder:
             code = TaskCode(f"after_loop_{r}_{k}", r, "after", eqns, reads, produced)
             self.instrs.append(Run(code, ins, tuple(outs), None))
 
+    def reduce_deferred(self) -> None:
+        """One `reduce_r` task per rank sums the leading axis of its partial accumulators: the
+        only data-parallel reduction of those values in the step."""
+        for r in range(self.mpmd_dim):
+            accs = [j for j, axes in enumerate(self.deferred) if axes and self.acc_rank[j] == r]
+            if not accs:
+                continue
+            avals = [self.slot_aval[self.acc_slot[j]] for j in accs]
+            closed = jax.make_jaxpr(lambda *a: [x.sum(0, dtype=x.dtype) for x in a])(
+                *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+            )
+            jp = closed.jaxpr
+            specs = tuple(self.reduce_specs[j] for j in accs)  # fsdp: a reduce-scatter
+            code = TaskCode(
+                f"reduce_{r}",
+                r,
+                "after",
+                jp.eqns,
+                jp.invars,
+                jp.outvars,
+                out_specs=specs if any(specs) else (),
+            )
+            ins = tuple(self.acc_slot[j] for j in accs)
+            outs = []
+            for j in accs:
+                outs.append(self.new(r, self.loop_eqn.outvars[j].aval, "value"))
+                self.acc_slot[j] = outs[-1]
+            self.instrs.append(Run(code, ins, tuple(outs), None))
+
     def step_outputs(self) -> list:
         return [
             {r: self.on_rank(v, r) for r in sorted(ranks)}
@@ -343,16 +441,50 @@ class _Builder:
 
 
 def build_program(
-    closed, placement: Placement, body: PartitionedBody, schedule, n_mb, ops, axis, loop_need: dict
+    closed,
+    placement: Placement,
+    body: PartitionedBody,
+    schedule,
+    n_mb,
+    ops,
+    axis,
+    loop_need: dict,
+    deferred: list | None = None,
+    loop_body=None,
+    gather_specs: dict | None = None,
+    reduce_specs: list | None = None,
 ) -> Program:
-    b = _Builder(closed, placement, body, schedule, n_mb, ops, axis, loop_need)
+    """`deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
+    `loop_body`, the rewritten body), summed once after the loop; None: reduced as it is made."""
+    b = _Builder(
+        closed,
+        placement,
+        body,
+        schedule,
+        n_mb,
+        ops,
+        axis,
+        loop_need,
+        deferred,
+        loop_body,
+        gather_specs,
+        reduce_specs,
+    )
     inputs = b.step_inputs()
     b.before_loop()
     b.loop()
     b.after_loop()
     outputs = b.step_outputs()
     return Program(
-        b.instrs, b.slot_rank, b.slot_aval, b.slot_kind, inputs, outputs, b.constants, b.mpmd_dim
+        b.instrs,
+        b.slot_rank,
+        b.slot_aval,
+        b.slot_kind,
+        inputs,
+        outputs,
+        b.constants,
+        b.mpmd_dim,
+        b.slot_spec,
     )
 
 

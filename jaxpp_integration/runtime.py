@@ -58,12 +58,15 @@ def execute(
     record_times=False,
     local_ranks=None,
     mpmd_axis=None,
+    watchdog=None,
 ):
     """Runs `prog`. `inputs` maps input slots to arrays already on their groups.
 
     Multi-controller: only `local_ranks` run here; a transfer between a local and a remote group
     is a collective both processes issue in program order. The byte accounting is kept for
-    every group alike (it is computed from shapes, not read off devices)."""
+    every group alike (it is computed from shapes, not read off devices). A `watchdog`
+    (several processes, `pipeline_hang_timeout_s`) is told each instruction as it is dispatched
+    and is handed every cross-process transfer's result."""
     if local_ranks is None:
         local_ranks = frozenset(range(prog.mpmd_dim))
     regs: list = [None] * len(prog.slot_rank)
@@ -78,10 +81,14 @@ def execute(
         live[prog.slot_rank[s]] += prog.slot_bytes[s]
     timeline, act_timeline = [], []
     events = []
+    if watchdog is not None:
+        watchdog.start()
     probe = _DEVICE_PROBE.get()
     if probe is not None:
         probe.begin(inputs.values())
     for idx, ins in enumerate(prog.instrs):
+        if watchdog is not None:
+            watchdog.enter(idx)
         if isinstance(ins, Run) and ins.code.rank not in local_ranks:
             for s in ins.outs:
                 r = prog.slot_rank[s]
@@ -120,6 +127,7 @@ def execute(
                     slot_sharding[ins.dst],
                     prog.slot_aval[ins.dst],
                     mpmd_axis,
+                    on_issue=None if watchdog is None else lambda a, i=idx: watchdog.watch(i, a),
                 )
             live[ins.dst_rank] += prog.slot_bytes[ins.dst]
             if prog.slot_kind[ins.dst] == "activation":
@@ -142,6 +150,8 @@ def execute(
         act_timeline.append(tuple(act))
         if probe is not None:
             probe.record()
+    if watchdog is not None:
+        watchdog.leave()
     outputs = [{r: regs[s] for r, s in slots.items()} for slots in prog.outputs]
     report = MemoryReport(
         timeline,
@@ -223,6 +233,7 @@ def prepare(prog: Program, slot_sharding, local_ranks) -> None:
     """Puts the program's constants on this process's groups once, sizes every slot, and groups
     runs of consecutive local transfers so each run is one copy call."""
     prog.slot_bytes = [_nbytes(a) for a in prog.slot_aval]
+    prog.slot_producer = {s: ins for ins in prog.instrs if isinstance(ins, Run) for s in ins.outs}
     prog.transfer_batches = {}
     start = None
     for idx, ins in enumerate(prog.instrs):

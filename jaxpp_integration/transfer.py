@@ -40,13 +40,18 @@ def _pair(src_mesh: Mesh, dst_mesh: Mesh, axis: str, spec: PartitionSpec):
     return mesh, NamedSharding(mesh, pair_spec), jax.jit(move)
 
 
-def cross_process_transfer(value, src: NamedSharding, dst: NamedSharding, aval, axis: str):
+def cross_process_transfer(
+    value, src: NamedSharding, dst: NamedSharding, aval, axis: str, on_issue=None
+):
     """Collective send of `value` (None on the receiving process); returns the received array on
-    the receiver, None on the sender."""
+    the receiver, None on the sender. `on_issue(array)` gets the collective's result on both
+    sides (the hang watchdog waits on it)."""
     mesh, pair_sharding, move = _pair(src.mesh, dst.mesh, axis, src.spec)
     # the sender's devices hold row 0; the receiver contributes zeros for row 1
     stacked = stack_rows((2, *aval.shape), pair_sharding, value, aval.dtype)
     moved = move(stacked)
+    if on_issue is not None:
+        on_issue(moved)
     if value is not None:
         return None
     dst_devices = dst.device_set

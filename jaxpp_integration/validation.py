@@ -349,3 +349,99 @@ def validate_tasks(
                         )
 
     list_schedule(per_rank, num_stages, split_backward, placement)
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-process order (several processes)
+# --------------------------------------------------------------------------------------------
+
+
+def check_cross_process_order(
+    per_rank: PerRank,
+    num_stages: int,
+    split_backward: bool,
+    stage_to_rank: Callable[[StageId], RankId],
+    process_of_rank: Sequence[int],
+) -> None:
+    """Raise ``ScheduleError`` unless every pair of ranks on different processes receives its
+    values in the order they are sent, so the schedule cannot deadlock across processes.
+
+    Model (tagged point-to-point transfers between processes): each rank walks its own list;
+    after an item it sends its results to the ranks of other processes that read them, queued
+    on the link (sending stage -> receiving stage) in list order; before an item it receives
+    what the item needs from other processes, each receive taking its link's next value. Values
+    between ranks of one process are local (a dependency only). Raised when a receive would take
+    another value than the one it needs (the pair issues that link's transfers in different
+    orders), or when no rank can move; the cells involved are marked in the rank x step grid.
+    (The engine's own runtime issues every transfer in one global order on all processes, which
+    is safe for any schedule `validate_tasks` accepts; this check keeps schedules safe for
+    runtimes that walk each rank's list on its own.)
+    """
+    proc = list(process_of_rank)
+    readers: dict[Task, set] = {}  # producer -> its readers on ranks of other processes
+    for rank, row in enumerate(per_rank):
+        for item in row:
+            for task in item_tasks(item):
+                for dep in task_dependencies(task, num_stages, split_backward):
+                    src = stage_to_rank(dep.stage)
+                    if proc[src] != proc[rank]:
+                        readers.setdefault(dep, set()).add(task)
+    sent_at: dict[Task, int] = {}  # producer -> its step on the sending rank
+    for row in per_rank:
+        for step, item in enumerate(row):
+            for task in item_tasks(item):
+                sent_at[task] = step
+    step_of = [0] * len(per_rank)
+    finished: set = set()
+    channel: dict[tuple, list] = {}  # (src stage, dst stage) -> values in flight, in order
+    received: set = set()  # (dst rank, value)
+    while any(step_of[r] < len(row) for r, row in enumerate(per_rank)):
+        progressed = False
+        for rank, row in enumerate(per_rank):
+            while step_of[rank] < len(row):
+                step = step_of[rank]
+                inner = item_tasks(row[step])
+                blocked = False
+                for i, task in enumerate(inner):
+                    for dep in task_dependencies(task, num_stages, split_backward):
+                        if dep in inner[:i]:
+                            continue
+                        src = stage_to_rank(dep.stage)
+                        if proc[src] == proc[rank]:
+                            blocked = blocked or dep not in finished
+                            continue
+                        if (rank, dep) in received:
+                            continue
+                        queue = channel.get((dep.stage, task.stage), [])
+                        if not queue:
+                            blocked = True
+                            continue
+                        if queue[0] != dep:
+                            raise _fail(
+                                f"cross-process order: {task} on rank {rank} (process "
+                                f"{proc[rank]}, step {step}) needs {dep} from rank {src} "
+                                f"(process {proc[src]}), but rank {src} sends {queue[0]} first "
+                                f"(step {sent_at[queue[0]]}); transfers between two processes "
+                                "pair in order, so these would deadlock or mix up values; list "
+                                f"rank {rank}'s tasks in the order rank {src} sends",
+                                per_rank,
+                                marked=[(rank, step), (src, sent_at[queue[0]])],
+                            )
+                        queue.pop(0)
+                        received.add((rank, dep))
+                if blocked:
+                    break
+                finished.update(inner)
+                for task in inner:
+                    for reader in sorted(readers.get(task, ()), key=lambda t: t.stage):
+                        channel.setdefault((task.stage, reader.stage), []).append(task)
+                step_of[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = [(r, step_of[r]) for r, row in enumerate(per_rank) if step_of[r] < len(row)]
+            raise _fail(
+                f"cross-process deadlock with ranks on processes {proc}: ranks "
+                f"{[r for r, _ in stuck]} wait on each other; reorder their lists",
+                per_rank,
+                marked=stuck,
+            )

@@ -1,8 +1,10 @@
 """One process of the 2-process engine test: run a pipelined step, compare with local jax.jit.
 
-Usage: python multihost_worker.py PROCESS_ID PORT SCHEDULE [die]
+Usage: python multihost_worker.py PROCESS_ID PORT SCHEDULE [die | stop]
 Prints 'OK <n>' after checking n arrays bitwise against a single-process reference. With `die`,
 process 1 kills itself (SIGKILL) after compiling, to test that its peer exits instead of hanging.
+With `stop`, process 1 stops itself (SIGSTOP) after compiling and the step runs with
+`pipeline_hang_timeout_s=HANG_TIMEOUT_S` (heartbeats allowed far longer), to test the watchdog.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import sys
 import jax
 
 pid, port, schedule_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+mode = sys.argv[4] if len(sys.argv) > 4 else ""
+HANG_TIMEOUT_S = 5.0
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 1)
-jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, heartbeat_timeout_seconds=10)
+heartbeat = 120 if mode == "stop" else 10
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, heartbeat_timeout_seconds=heartbeat)
 
 import numpy as np  # noqa: E402
 from engine_models import clipping_sgd, make_step, tied_mlp_setup  # noqa: E402
@@ -30,10 +35,23 @@ mpmd_mesh = jaxpp.MpmdMesh(mesh, "stage")
 params, batch, loss_fn = tied_mlp_setup(schedule.num_stages, 4)
 opt = clipping_sgd()
 step = make_step(loss_fn, opt, schedule)
-compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh).compile(
-    params, opt.init(params), batch
-)
-if sys.argv[4:] == ["die"] and pid == 1:
+compiled = jaxpp.mpmd_jit_with_loop(
+    step,
+    mpmd_mesh=mpmd_mesh,
+    pipeline_hang_timeout_s=HANG_TIMEOUT_S if mode == "stop" else None,
+).compile(params, opt.init(params), batch)
+if mode == "stop" and pid == 1:
+    import os
+    import signal
+
+    print("process 1: stopping myself", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+if mode == "stop":  # process 0: straight into the step, which waits on process 1 forever
+    out = compiled(params, opt.init(params), batch)
+    jax.block_until_ready([a for leaf in jax.tree.leaves(out) for a in leaf.arrays.values()])
+    print("process 0: the step finished although process 1 is stopped", flush=True)
+    sys.exit(0)
+if mode == "die" and pid == 1:
     import os
     import signal
 

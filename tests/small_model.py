@@ -7,9 +7,14 @@ adam_eps=1e-3: Adam divides each gradient by its own running magnitude, so for e
 gradient is at rounding-noise level (~1e-9) it turns float32 summation-order noise into full-size
 updates; eps=1e-8 then shows 3e-5 relative parameter differences that come from Adam, not from the
 layout. A larger eps damps that, so cross-layout comparisons measure the layout.
+
+scan_layers=false: the bounds of the layout tests using this model were measured with unrolled
+layers (pipeline_parallelism=4 has one-layer stages, whose one-trip scans XLA inlines); scanned
+layouts are tested in tests/test_scanned_pipeline.py and tests/test_train.py.
 """
 
 SMALL_MODEL = [
+    "scan_layers=false",
     "emb_dim=32",
     "num_query_heads=4",
     "num_kv_heads=2",

@@ -70,10 +70,11 @@ def _compile_counted(step, mesh, args, **kwargs):
 
 # Distinct programs of a uniform pipeline with Std1F1B and SGD, whatever the number of stages
 # N >= 3: fwd of the first stage (slices the batch), of the middle stages (shared), of the last
-# (the loss, its backward fused); bwd of the middle stages (shared) and of the first (no input
-# cotangent); one after-loop SGD update for all ranks. No before-loop program: SGD has no
-# step counter, and the gradient accumulators start as host-made zeros (no compile).
-UNIFORM_DISTINCT_PROGRAMS = 6
+# (up to the loss); bwd of the last stage (the loss gradient, then the stage's backward: see
+# partition.py), of the middle stages (shared) and of the first (no input cotangent); one
+# after-loop SGD update for all ranks. No before-loop program: SGD has no step counter, and the
+# gradient accumulators start as host-made zeros (no compile).
+UNIFORM_DISTINCT_PROGRAMS = 7
 
 
 @pytest.mark.parametrize("num_stages", [3, 4])

@@ -23,7 +23,13 @@ def make_config(**overrides):
         vocab_size=1024,
         max_target_length=64,
         global_batch_size=8,
-        seed=0,
+        data_shuffle_seed=0,
+        train_split="train",
+        eval_split="validation",
+        packing=True,
+        grain_train_files="",
+        grain_eval_files="",
+        grain_worker_count=0,
         eval_steps=0,
         eval_split_fraction=0.05,
         base_output_directory="",
@@ -146,7 +152,7 @@ def test_same_seed_same_batches_other_seed_other_batches(out_dir, shakespeare):
     assert_batches_equal(
         take(again.train, 3), take(make_data(make_config(base_output_directory=out_dir)).train, 3)
     )
-    other = make_data(make_config(base_output_directory=out_dir, seed=1))
+    other = make_data(make_config(base_output_directory=out_dir, data_shuffle_seed=1))
     assert not np.array_equal(next(other.train)["inputs"], next(again.train)["inputs"])
 
 
@@ -178,7 +184,7 @@ def test_state_round_trip_across_an_epoch_boundary(tiny_corpus, tmp_path):
 
 def test_set_state_rejects_state_of_other_data(out_dir):
     state = make_data(make_config(base_output_directory=out_dir)).train.get_state()
-    other = make_data(make_config(base_output_directory=out_dir, seed=7))
+    other = make_data(make_config(base_output_directory=out_dir, data_shuffle_seed=7))
     with pytest.raises(ValueError, match=r"seed: saved 0, now 7"):
         other.train.set_state(state)
     longer = make_data(make_config(base_output_directory=out_dir, max_target_length=128))
@@ -364,6 +370,6 @@ def test_bad_options_fail_with_one_clear_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"dataset_path='/nope' is neither a .md/.txt file"):
         make_data(make_config(dataset_path="/nope"))
     cfg = make_config()
-    del cfg.seed
-    with pytest.raises(AttributeError, match=r"config has no attribute 'seed'"):
+    del cfg.data_shuffle_seed
+    with pytest.raises(AttributeError, match=r"config has no attribute 'data_shuffle_seed'"):
         make_data(cfg)

@@ -12,8 +12,12 @@ from MaxText.data.synthetic import FIRST, SYNTHETIC_EVAL_BATCHES
 
 def make_config(**overrides):
     values = dict(dataset_type="synthetic", dataset_path="", dataset_name="", tokenizer_path="")
-    values.update(vocab_size=50, max_target_length=64, global_batch_size=8, seed=0, eval_steps=0)
+    values.update(
+        vocab_size=50, max_target_length=64, global_batch_size=8, data_shuffle_seed=0, eval_steps=0
+    )
     values.update(eval_split_fraction=0.05, base_output_directory="")
+    values.update(train_split="train", eval_split="validation", packing=True)
+    values.update(grain_train_files="", grain_eval_files="", grain_worker_count=0)
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
@@ -53,7 +57,7 @@ def test_rows_are_learnable_progressions_with_full_masks():
 def test_deterministic_under_seed_and_exact_resume():
     assert_batches_equal(take(synthetic().train, 3), take(synthetic().train, 3))
     assert not np.array_equal(
-        next(synthetic(seed=1).train)["inputs"], next(synthetic().train)["inputs"]
+        next(synthetic(data_shuffle_seed=1).train)["inputs"], next(synthetic().train)["inputs"]
     )
     data = synthetic()
     take(data.train, 4)

@@ -66,8 +66,17 @@ def data_dir(tmp_path_factory):
 
 def make_config(**overrides):
     values = dict(dataset_type="tfds", dataset_path="", dataset_name="", tokenizer_path="")
-    values.update(vocab_size=400, max_target_length=32, global_batch_size=4, seed=0, eval_steps=0)
-    values.update(eval_split_fraction=0.1, base_output_directory="")
+    values.update(
+        vocab_size=400,
+        max_target_length=32,
+        global_batch_size=4,
+        data_shuffle_seed=0,
+        eval_steps=0,
+        train_split="train",
+        eval_split="validation",
+    )
+    values.update(eval_split_fraction=0.1, base_output_directory="", packing=True)
+    values.update(grain_train_files="", grain_eval_files="", grain_worker_count=0)
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
@@ -137,3 +146,24 @@ def test_missing_dataset_is_a_clear_error_and_nothing_downloads(data_dir, tmp_pa
         )
     with pytest.raises(ValueError, match=r"needs dataset_name="):
         make_data(make_config(dataset_path=data_dir, base_output_directory=base))
+
+
+def test_train_split_and_eval_split_choose_the_splits(data_dir, tmp_path):
+    """MaxText's train_split / eval_split (issue #11 item 6: the dead dataset_split is gone)."""
+    cfg = make_config(
+        dataset_path=data_dir,
+        dataset_name="tiny_sonnets",
+        base_output_directory=str(tmp_path),
+        train_split="validation",
+        eval_split="train",
+    )
+    data = make_data(cfg)
+    assert "eval = train" in data.info.description
+    train_text = data.tokenizer.decode(next(data.train)["inputs"].reshape(-1))
+    assert "Held" in train_text and "Train" not in train_text
+    eval_text = data.tokenizer.decode(next(data.eval_batches())["inputs"].reshape(-1))
+    assert "Train" in eval_text and "Held" not in eval_text
+    with pytest.raises(FileNotFoundError, match=r"has no split train_split='dev'"):
+        make_data(
+            make_config(dataset_path=data_dir, dataset_name="tiny_sonnets", train_split="dev")
+        )

@@ -17,6 +17,7 @@ from MaxText.model import Decoder, cross_entropy_sums
 from MaxText.train_step import CPU_INIT_COMPILER_OPTIONS
 
 SMALL = [
+    "scan_layers=false",  # the unrolled tree; scanned configs say scan_layers=true
     "emb_dim=32",
     "num_query_heads=4",
     "num_kv_heads=2",

@@ -92,14 +92,14 @@ def initial_params(*overrides):
             "pipeline_schedule=interleaved_1f1b",
             "num_decoder_layers=5",
         ),  # fmt: skip
-        ("pipeline_parallelism=2", "num_decoder_layers=5"),
+        ("scan_layers=false", "pipeline_parallelism=2", "num_decoder_layers=5"),
     ],
     ids=["scanned", "scanned_pp2_uneven", "scanned_virtual", "unrolled_pp2"],
 )
 def test_same_seed_same_initial_weights_in_every_layout(layout):
     """Layer i gets the same values scanned or unrolled, whatever the stages (bitwise)."""
     depth = next((o for o in layout if o.startswith("num_decoder_layers")), None)
-    _, want = initial_params(*([depth] if depth else []))
+    _, want = initial_params("scan_layers=false", *([depth] if depth else []))
     config, got = initial_params(*layout)
     if config.scan_layers:
         assert not any(k.startswith("layers_") and k[7:].isdigit() for k in got)
@@ -111,7 +111,7 @@ def test_same_seed_same_initial_weights_in_every_layout(layout):
 
 def test_layers_do_not_share_initial_values():
     """Each layer has its own key: no two layers start equal (a shared key would pass above)."""
-    _, params = initial_params()
+    _, params = initial_params("scan_layers=false")
     a, b = params["layers_0"]["mlp"]["wo"], params["layers_1"]["mlp"]["wo"]
     assert not np.array_equal(a, b)
 
@@ -284,8 +284,8 @@ def _checkpoints(config, trainer, run_dir):
 
 
 SCANNED_PP4 = ("scan_layers=true", "pipeline_parallelism=4")
-UNROLLED_PP2 = ("pipeline_parallelism=2",)
-UNROLLED_SPMD = ()
+UNROLLED_PP2 = ("scan_layers=false", "pipeline_parallelism=2")
+UNROLLED_SPMD = ("scan_layers=false",)
 SCANNED_SPMD = ("scan_layers=true",)
 
 

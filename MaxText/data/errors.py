@@ -1,0 +1,21 @@
+"""The data pipeline's user-facing error types: a data setting the user can fix.
+
+`DataError` is a `ValueError` whose message is one line naming the setting and the fix;
+`train.py` prints it and exits with code 2, as for config errors. The subclasses keep the
+built-in type a caller may already catch (a missing file is still a `FileNotFoundError`, a
+missing optional package still an `ImportError`).
+"""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """A data setting (path, dataset, tokenizer, split) that cannot be used as given."""
+
+
+class DataNotFoundError(DataError, FileNotFoundError):
+    """A file, folder or dataset named by a data setting does not exist."""
+
+
+class DataImportError(DataError, ImportError):
+    """A data setting needs an optional package that is not installed."""

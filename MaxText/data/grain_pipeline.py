@@ -1,0 +1,293 @@
+"""dataset_type=grain: grain datasets over prepared ArrayRecord shards, packed, with exact resume.
+
+Reads the shards written by `python -m MaxText.data.prepare` (`grain_train_files`,
+`grain_eval_files`: globs; the folder's manifest.json gives the token dtype and the tokenizer).
+
+Training pipeline, per process (grain `MapDataset`s, nothing read ahead of need):
+
+    ArrayRecord records --[process_index::process_count]--> this process's documents
+      --shuffle(data_shuffle_seed), repeat--> an endless, per-epoch reshuffled document order
+      --batch(K documents)--> packing windows --map(pack_rows)--> rows of each window
+      --to_iter_dataset, mp_prefetch(grain_worker_count)--> windows read, decoded and packed in
+      worker processes --> the trainer's process cuts consecutive rows into local batches
+
+Each process reads only its own documents (rows `process_index::process_count` of the shards)
+and yields `global_batch_size / process_count` rows per batch; the trainer assembles the global
+batch from the processes' rows. Under pipelining every process feeds the whole batch
+(`Config.process_count` is 1 there), so each reads every document.
+
+Packing windows: window w is documents `[w*K, (w+1)*K)` of the shuffled order, packed on their own
+(`doc_packing.pack_rows`). K is chosen from the manifest so that a window holds about
+`WINDOW_ROWS` rows (K = 1 for documents longer than that), which bounds the memory of a worker by
+one window, whatever the dataset size. Because a window's rows depend only on its index, the
+iterator's state is two integers, (window, row within it), and resuming rebuilds the grain
+pipeline at that window: the batches after a resume are bitwise those of an uninterrupted run,
+with any `grain_worker_count` (grain's prefetch keeps element order whatever the worker count), so
+a checkpoint also resumes with a different worker count. A different process count or data
+changes the stream; `set_state` rejects a state whose fingerprint differs.
+
+Evaluation reads every held-out document in file order on every process (no shuffle, in the
+trainer's process), packs them the same way, and gives process p rows `[p*B/P, (p+1)*B/P)` of
+each global batch, so every process runs the same number of eval batches; the last batch is
+filled with all-padding rows.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import numpy as np
+
+from MaxText.data import doc_packing
+from MaxText.data import prepare as prepare_lib
+from MaxText.data.errors import DataError, DataNotFoundError
+
+STATE_VERSION = 1
+ENDLESS_DOCUMENTS = 2**40
+WINDOW_ROWS = 64  # target rows per packing window (a worker's unit of work and memory)
+
+
+class TokenShards:
+    """The shards a glob names, and their folder's manifest."""
+
+    def __init__(self, pattern: str, key: str):
+        self.pattern = pattern
+        files = sorted(glob.glob(str(pathlib.Path(pattern).expanduser()), recursive=True))
+        files = [f for f in files if f.endswith(".array_record")]
+        if not files:
+            raise DataNotFoundError(
+                f"{key}={pattern!r} matches no .array_record file; write shards with "
+                "python -m MaxText.data.prepare --input ... --out DIR (then use DIR/train-*)"
+            )
+        folders = {str(pathlib.Path(f).parent) for f in files}
+        if len(folders) > 1:
+            raise DataError(
+                f"{key}={pattern!r} matches shards in {len(folders)} folders; each prepared folder "
+                "has its own tokenizer, so use shards of one folder"
+            )
+        self.files = files
+        self.folder = pathlib.Path(folders.pop())
+        manifest_path = self.folder / prepare_lib.MANIFEST
+        if not manifest_path.is_file():
+            raise DataNotFoundError(
+                f"{key}={pattern!r}: {manifest_path} is missing; the folder was not (completely) "
+                "written by python -m MaxText.data.prepare"
+            )
+        self.manifest = json.loads(manifest_path.read_text())
+        if self.manifest.get("format") != prepare_lib.FORMAT:
+            raise DataError(f"{manifest_path} is not a {prepare_lib.FORMAT} manifest")
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        known = {
+            s["file"]: s for split in self.manifest["splits"].values() for s in split["shards"]
+        }
+        names = [pathlib.Path(f).name for f in files]
+        self.documents = sum(known[n]["documents"] for n in names if n in known)
+        self.tokens = sum(known[n]["tokens"] for n in names if n in known)
+
+    @property
+    def tokenizer_path(self) -> pathlib.Path:
+        return self.folder / self.manifest["tokenizer"]
+
+    def source(self):
+        return grain.sources.ArrayRecordDataSource(self.files)
+
+    def documents_per_window(self, seq_len: int) -> int:
+        mean = self.tokens / max(self.documents, 1)
+        return max(1, int(WINDOW_ROWS * seq_len / max(mean, 1.0)))
+
+
+class _Decode:
+    """ArrayRecord bytes -> int32 token ids (a picklable callable, so it runs in grain workers)."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+
+    def __call__(self, record: bytes) -> np.ndarray:
+        return np.frombuffer(record, self.dtype).astype(np.int32)
+
+
+class _PackWindow:
+    """A list of documents -> their packed rows (picklable; runs in grain workers)."""
+
+    def __init__(self, seq_len: int, packing: bool, pad_id: int):
+        self.seq_len, self.packing, self.pad_id = seq_len, packing, pad_id
+
+    def __call__(self, docs: list[np.ndarray]) -> dict[str, np.ndarray]:
+        return doc_packing.pack_rows(docs, self.seq_len, packing=self.packing, pad_id=self.pad_id)
+
+
+def train_windows(
+    shards: TokenShards,
+    *,
+    seq_len: int,
+    packing: bool,
+    pad_id: int,
+    seed: int,
+    process_index: int,
+    process_count: int,
+    documents_per_window: int,
+) -> grain.MapDataset:
+    """The endless MapDataset of packed windows of this process's shuffled documents."""
+    docs = grain.MapDataset.source(shards.source())[process_index::process_count]
+    if len(docs) == 0:
+        raise DataError(
+            f"grain_train_files={shards.pattern!r} has {shards.documents} documents, fewer than "
+            f"the {process_count} processes reading them; prepare more data or use fewer processes"
+        )
+    # "Endless": 2**40 documents (grain's slicing needs a length that fits an index).
+    epochs = max(1, ENDLESS_DOCUMENTS // len(docs))
+    docs = docs.shuffle(seed=seed).repeat(epochs).map(_Decode(shards.dtype))
+    return docs.batch(documents_per_window, batch_fn=list).map(
+        _PackWindow(seq_len, packing, pad_id)
+    )
+
+
+def _absl_flags_parsed() -> None:
+    """grain's worker processes read absl flags (their defaults here): mark them parsed, as an
+    absl app would, when the trainer was not started through absl."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+class GrainBatchIterator(Iterator[dict[str, np.ndarray]]):
+    """This process's batches of packed rows, with get_state / set_state (see the module doc)."""
+
+    def __init__(
+        self,
+        windows: grain.MapDataset,
+        *,
+        local_batch_size: int,
+        worker_count: int,
+        fingerprint: dict[str, Any],
+    ):
+        self._windows = windows
+        self.local_batch_size = local_batch_size
+        self.worker_count = worker_count
+        self._fingerprint = dict(fingerprint)
+        self._window = 0  # window of the next row to yield
+        self._row = 0  # its row within that window
+        self._it: Iterator | None = None  # grain iterator positioned at the window after _rows
+        self._rows: dict[str, np.ndarray] | None = None  # rows of window _window, once fetched
+
+    def __iter__(self) -> GrainBatchIterator:
+        return self
+
+    def _start(self) -> None:
+        ds = self._windows[self._window :].to_iter_dataset()
+        if self.worker_count > 0:
+            _absl_flags_parsed()
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
+        self._close()
+        self._it = iter(ds)
+
+    def _close(self) -> None:
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+        self._it = None
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts: list[dict[str, np.ndarray]] = []
+        need = self.local_batch_size
+        while need:
+            if self._rows is None:
+                if self._it is None:
+                    self._start()
+                # a private copy: the worker's shared-memory buffer is released right away
+                self._rows = {k: np.array(v) for k, v in next(self._it).items()}
+            available = self._rows["inputs"].shape[0] - self._row
+            take = min(need, available)
+            if take:
+                parts.append({k: v[self._row : self._row + take] for k, v in self._rows.items()})
+            need -= take
+            self._row += take
+            if self._row == self._rows["inputs"].shape[0]:
+                self._window, self._row, self._rows = self._window + 1, 0, None
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def get_state(self) -> dict[str, Any]:
+        """The position (window, row) of the next row; JSON-serializable."""
+        return {
+            "version": STATE_VERSION,
+            "window": self._window,
+            "row": self._row,
+            "fingerprint": dict(self._fingerprint),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues exactly at `state` (from `get_state`); ValueError if it is other data's."""
+        if state.get("version") != STATE_VERSION or "window" not in state:
+            raise ValueError(
+                "the saved data iterator state is not a dataset_type=grain state of this version; "
+                "resume with the data options the checkpoint was written with"
+            )
+        saved = state.get("fingerprint", {})
+        diffs = [
+            f"{k}: saved {saved.get(k)!r}, now {v!r}"
+            for k, v in self._fingerprint.items()
+            if saved.get(k) != v
+        ]
+        if diffs:
+            raise ValueError(
+                "cannot restore the data position: the checkpoint was made with different data "
+                f"({'; '.join(diffs)}); restore with the original data options or start a new run "
+                "from its parameters only"
+            )
+        self._close()
+        self._window, self._row, self._rows = int(state["window"]), int(state["row"]), None
+
+    def close(self) -> None:
+        """Stops the worker processes (they also stop when the iterator is garbage-collected)."""
+        self._close()
+
+
+def eval_batches(
+    shards: TokenShards,
+    *,
+    seq_len: int,
+    packing: bool,
+    pad_id: int,
+    global_batch_size: int,
+    process_index: int,
+    process_count: int,
+    max_batches: int,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Every held-out document once, in file order (see the module doc)."""
+    docs = grain.MapDataset.source(shards.source()).map(_Decode(shards.dtype))
+    k = shards.documents_per_window(seq_len)
+    windows = docs.batch(k, batch_fn=list).map(_PackWindow(seq_len, packing, pad_id))
+    local = global_batch_size // process_count
+    lo, hi = process_index * local, (process_index + 1) * local
+    pending: list[dict[str, np.ndarray]] = []
+    count, produced = 0, 0
+
+    def emit() -> dict[str, np.ndarray]:
+        rows = {key: np.concatenate([p[key] for p in pending]) for key in pending[0]}
+        fill = global_batch_size - rows["inputs"].shape[0]
+        if fill:
+            pad = doc_packing.empty_rows(fill, seq_len, pad_id)
+            rows = {key: np.concatenate([rows[key], pad[key]]) for key in rows}
+        return {key: v[lo:hi] for key, v in rows.items()}
+
+    for window in windows:
+        start = 0
+        n = window["inputs"].shape[0]
+        while start < n:
+            take = min(global_batch_size - count, n - start)
+            pending.append({key: v[start : start + take] for key, v in window.items()})
+            count += take
+            start += take
+            if count == global_batch_size:
+                yield emit()
+                pending, count, produced = [], 0, produced + 1
+                if 0 < max_batches <= produced:
+                    return
+    if pending:
+        yield emit()

@@ -1,0 +1,285 @@
+"""Prepares a text corpus for `dataset_type=grain`: tokenized documents in ArrayRecord shards.
+
+    python -m MaxText.data.prepare --input DIR_OR_GLOB --out DIR
+        [--tokenizer_path M | --vocab_size V] [--shard_size N] [--eval_fraction F]
+
+Reads `.txt`, `.md` (markdown stripped as for dataset_type=text) and `.jsonl` (one document per
+line, field `text`) files: every such file under a folder (recursively), or the files a glob
+matches, in sorted order. Documents are streamed: one file (one `.jsonl` line) at a time is in
+memory, never the corpus. Two passes: the first trains a sentencepiece tokenizer (the same
+byte-fallback BPE options as dataset_type=text, on at most `MAX_TRAINING_CHARS` of training
+text) unless `--tokenizer_path` names one; the second tokenizes and writes.
+
+`--out` receives
+  train-00000.array_record ...   one record per document: its token ids with BOS/EOS, as
+                                 little-endian `dtype` (uint16 when the vocabulary fits, else int32)
+  eval-00000.array_record ...    with --eval_fraction > 0: the documents whose name hashes below
+                                 the fraction (stable under reordering or adding files)
+  tokenizer.model                the tokenizer used (trained or copied)
+  manifest.json                  documents, tokens, shards, tokenizer, vocabulary, dtype
+
+A shard holds at most `--shard_size` documents. Files are written under temporary names and
+renamed when complete; manifest.json is written last, so a folder with a manifest is complete.
+A progress bar (bytes of input read) is drawn on stderr unless --quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from MaxText.data import text as text_lib
+from MaxText.data.errors import DataError, DataNotFoundError
+from MaxText.data.text import Document
+from MaxText.data.tokenizer import (
+    SentencePieceTokenizer,
+    load_sentencepiece,
+    train_sentencepiece,
+)
+
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.model"
+FORMAT = "maxtext-jaxpp-token-shards"
+FORMAT_VERSION = 1
+SUFFIXES = (".txt", ".md", ".jsonl")
+_ENCODE_BATCH = 256
+
+
+@dataclasses.dataclass
+class _Shards:
+    """Writes one split's documents into numbered ArrayRecord shards."""
+
+    out: pathlib.Path
+    split: str
+    shard_size: int
+    dtype: np.dtype
+    shards: list[dict] = dataclasses.field(default_factory=list)
+    _writer: object = None
+    _tmp: pathlib.Path | None = None
+    _docs: int = 0
+    _tokens: int = 0
+
+    def add(self, tokens: np.ndarray) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        if self._writer is None:
+            name = f"{self.split}-{len(self.shards):05d}.array_record"
+            self._tmp = self.out / f".{name}.tmp"
+            # group_size:1 -> every record is its own chunk: cheap random access by index
+            self._writer = ArrayRecordWriter(str(self._tmp), "group_size:1")
+            self.shards.append({"file": name, "documents": 0, "tokens": 0})
+        self._writer.write(
+            np.asarray(tokens, self.dtype).astype(self.dtype.newbyteorder("<")).tobytes()
+        )
+        self._docs += 1
+        self._tokens += int(tokens.size)
+        if self._docs == self.shard_size:
+            self.close()
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        self.shards[-1].update(documents=self._docs, tokens=self._tokens)
+        os.replace(self._tmp, self.out / self.shards[-1]["file"])
+        self._writer, self._docs, self._tokens = None, 0, 0
+
+    def summary(self) -> dict:
+        return {
+            "documents": sum(s["documents"] for s in self.shards),
+            "tokens": sum(s["tokens"] for s in self.shards),
+            "shards": self.shards,
+        }
+
+
+def input_files(spec: str) -> list[pathlib.Path]:
+    """The `.txt`/`.md`/`.jsonl` files of a folder (recursively) or a glob, sorted."""
+    path = pathlib.Path(spec).expanduser()
+    if path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES]
+    elif path.is_file():
+        files = [path]
+    else:
+        files = [pathlib.Path(p) for p in glob.glob(str(path), recursive=True)]
+        files = [p for p in files if p.is_file() and p.suffix in SUFFIXES]
+    if not files:
+        raise DataNotFoundError(
+            f"--input {spec!r} matches no .txt, .md or .jsonl file; give a folder or a glob"
+        )
+    return sorted(files)
+
+
+def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Document]:
+    """The documents of `files`, one file (one jsonl line) in memory at a time."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            with path.open("rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if progress is not None:
+                        progress.update(len(line))
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError):
+                        raise DataError(
+                            f"{path}:{lineno} is not a JSON object with a string field 'text'"
+                        ) from None
+                    if isinstance(text, str) and text:
+                        yield Document(name=f"{path}:{lineno}", text=text)
+            continue
+        raw = path.read_bytes()
+        if progress is not None:
+            progress.update(len(raw))
+        text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+        if path.suffix == ".md":
+            text = text_lib.strip_markdown(text)
+        if text.strip():
+            yield Document(name=str(path), text=text)
+
+
+def is_eval(doc: Document, eval_fraction: float) -> bool:
+    """Whether `doc` is held out: a hash of its name below `eval_fraction` (order-independent)."""
+    if eval_fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha256(doc.name.encode()).digest()[:8], "little")
+    return h / 2**64 < eval_fraction
+
+
+def _progress_bar(files: Sequence[pathlib.Path], desc: str, quiet: bool):
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    total = sum(p.stat().st_size for p in files)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr)
+
+
+def prepare(
+    input_spec: str,
+    out_dir: str,
+    *,
+    tokenizer_path: str = "",
+    vocab_size: int = 1024,
+    shard_size: int = 65536,
+    eval_fraction: float = 0.0,
+    quiet: bool = False,
+) -> dict:
+    """Writes the shards, tokenizer and manifest into `out_dir`; returns the manifest."""
+    if shard_size < 1:
+        raise DataError(f"--shard_size={shard_size}: must be >= 1")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"--eval_fraction={eval_fraction}: must be in [0, 1)")
+    files = input_files(input_spec)
+    out = pathlib.Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        raise DataError(f"--out {out_dir!r} already holds a prepared dataset; use a new folder")
+
+    if tokenizer_path:
+        tokenizer = load_sentencepiece(tokenizer_path)
+        proto = pathlib.Path(tokenizer_path).expanduser().read_bytes()
+        origin = f"file {tokenizer_path}"
+    else:
+        bar = _progress_bar(files, "training tokenizer", quiet)
+        train_docs = (d for d in iter_documents(files, bar) if not is_eval(d, eval_fraction))
+        proto = train_sentencepiece(train_docs, vocab_size)
+        if bar is not None:
+            bar.close()
+        tokenizer = SentencePieceTokenizer(proto)
+        origin = f"trained, vocab_size={vocab_size}"
+    (out / TOKENIZER_FILE).write_bytes(proto)
+
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
+    writers = {s: _Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
+    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
+    bar = _progress_bar(files, "tokenizing", quiet)
+    pending: list[Document] = []
+
+    def flush() -> None:
+        for doc, ids in zip(pending, tokenizer.encode_many([d.text for d in pending]), strict=True):
+            split = "eval" if is_eval(doc, eval_fraction) else "train"
+            writers[split].add(np.asarray(bos + ids + eos, np.int64))
+        pending.clear()
+
+    for doc in iter_documents(files, bar):
+        pending.append(doc)
+        if len(pending) == _ENCODE_BATCH:
+            flush()
+    flush()
+    if bar is not None:
+        bar.close()
+    for w in writers.values():
+        w.close()
+    if not writers["train"].shards:
+        raise DataError(f"--input {input_spec!r} gave no training document")
+
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": hashlib.sha256(proto).hexdigest(),
+        "tokenizer_origin": origin,
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "input": input_spec,
+        "input_files": len(files),
+        "eval_fraction": eval_fraction,
+        "splits": {s: w.summary() for s, w in writers.items() if w.shards},
+    }
+    tmp = out / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m MaxText.data.prepare", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--input", required=True, help="folder or glob of .txt/.md/.jsonl files")
+    parser.add_argument("--out", required=True, help="new folder for shards and manifest.json")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--tokenizer_path", default="", help="an existing sentencepiece .model")
+    group.add_argument("--vocab_size", type=int, default=1024, help="pieces of a trained tokenizer")
+    parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard")
+    parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        m = prepare(
+            args.input,
+            args.out,
+            tokenizer_path=args.tokenizer_path,
+            vocab_size=args.vocab_size,
+            shard_size=args.shard_size,
+            eval_fraction=args.eval_fraction,
+            quiet=args.quiet,
+        )
+    except ValueError as e:
+        print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    for split, s in m["splits"].items():
+        print(
+            f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
+            f"{len(s['shards'])} shards -> {args.out}/{split}-*.array_record"
+        )
+    print(f"tokenizer: {m['vocab_size']} pieces ({m['tokenizer_origin']}); {args.out}/{MANIFEST}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The trainer's `gradient_reduction` key: data-parallel all-reduces per step, counted in HLO.
+
+pipeline_parallelism=2 x ici_data_parallelism=2 (llama blocks, embedding in stage 0, loss in
+stage 1). With "step" the loss sum, token count and every gradient stay unreduced during the
+loop and one `reduce_r` task per stage all-reduces them: the same launches at m = 4 and 8.
+With "microbatch" every loop task instance all-reduces: m times as many. The two modes add the
+same numbers in another order, so the losses agree to float rounding (1e-6), not bitwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from small_model import SMALL_MODEL
+from test_train import make_batches
+
+from jaxpp_integration.collectives import task_collectives
+from MaxText import devices, sharding
+from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.train_step import build_trainer
+
+
+def _trainer(tmp_path, m, mode, *extra):
+    config = load_config(
+        [
+            str(CONFIGS_DIR / "base.yml"),
+            *SMALL_MODEL,
+            "global_batch_size=16",
+            "pipeline_parallelism=2",
+            *(extra or ("ici_data_parallelism=2",)),
+            f"num_pipeline_microbatches={m}",
+            f"gradient_reduction={mode}",
+            "steps=2",
+            "warmup_steps_fraction=0",
+            "enable_progress_bar=false",
+            "enable_tensorboard=false",
+            f"base_output_directory={tmp_path}",
+        ]
+    )
+    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+
+
+def _losses(config, trainer, steps=2):
+    state = trainer.init_state()
+    out = []
+    for batch in make_batches(config, steps):
+        state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+        out.append(float(np.asarray(metrics["loss"])))
+    return np.asarray(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [4, 8])
+def test_trainer_gradient_reduction_launches(tmp_path, m):
+    config, step_mode = _trainer(tmp_path, m, "step")
+    _, per_mb = _trainer(tmp_path, m, "microbatch")
+    loop = lambda t: sum(task_collectives(t.train_step, p, "all-reduce") for p in ("fwd", "bwd"))
+    # "step": nothing reduced inside the loop; one all-reduce task per stage after it
+    assert loop(step_mode) == 0
+    assert task_collectives(step_mode.train_step, "reduce_", "all-reduce") == 2
+    # "microbatch": every forward/backward instance of both stages reduces: a multiple of m
+    assert loop(per_mb) >= 2 * m and loop(per_mb) % m == 0
+    np.testing.assert_allclose(
+        _losses(config, step_mode), _losses(config, per_mb), rtol=1e-6, atol=0
+    )
+
+
+@pytest.mark.slow
+def test_trainer_fsdp_weights_gathered_once(tmp_path):
+    """pipeline_parallelism=2 x ici_fsdp_parallelism=2, m=4, with pipeline_fsdp_ag_once=true:
+    no loop task all-gathers a weight, the gather_r tasks (one per stage) do; without the key
+    the loop tasks gather in every instance (a multiple of m). Independence of m is the engine
+    test's (tests/test_collectives.py). Losses agree to 1e-6 (both defer the gradient sums)."""
+    fsdp = ("ici_fsdp_parallelism=2",)
+    loop = lambda t: sum(task_collectives(t.train_step, p, "all-gather") for p in ("fwd", "bwd"))  # noqa: E731
+    config, once = _trainer(tmp_path, 4, "step", *fsdp, "pipeline_fsdp_ag_once=true")
+    _, base = _trainer(tmp_path, 4, "step", *fsdp)
+    assert loop(once) == 0
+    assert task_collectives(once.train_step, "gather_", "all-gather") > 0
+    assert loop(base) >= 4 and loop(base) % 4 == 0
+    np.testing.assert_allclose(_losses(config, once), _losses(config, base), rtol=1e-6, atol=0)

@@ -1,0 +1,299 @@
+"""dataset_type=grain: prepare, packing with masks, per-process rows, exact resume, eval.
+
+The corpus is made here: 120 documents of random words (a .jsonl, a .txt and a .md file), so
+lengths vary from a few tokens to several rows of 16 and the expected rows can be computed by hand
+from the shards' records.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import types
+
+import numpy as np
+import pytest
+from compare import assert_bitwise
+
+from MaxText.data import doc_packing, make_data
+from MaxText.data import grain_pipeline as gp
+from MaxText.data import prepare as prepare_lib
+from MaxText.data.tokenizer import load_sentencepiece
+
+WORDS = "thou art the fairest rose in all of verona and yet my lord doth speak".split()
+L = 16
+
+
+def write_corpus(root, num_docs: int, seed: int = 0):
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    texts = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(num_docs)
+    ]
+    with (root / "docs.jsonl").open("w") as f:
+        for t in texts[:-2]:
+            f.write(json.dumps({"text": t, "id": 1}) + "\n")
+    (root / "one.txt").write_text(texts[-2])
+    (root / "two.md").write_text("# Title\n\n" + texts[-1])
+    return texts
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    base = tmp_path_factory.mktemp("grain")
+    texts = write_corpus(base / "corpus", 120)
+    manifest = prepare_lib.prepare(
+        str(base / "corpus"),
+        str(base / "shards"),
+        vocab_size=320,
+        shard_size=50,
+        eval_fraction=0.1,
+        quiet=True,
+    )
+    return base / "shards", manifest, texts
+
+
+def config(shards, **overrides):
+    values = dict(
+        dataset_type="grain",
+        dataset_path="",
+        dataset_name="",
+        train_split="train",
+        eval_split="validation",
+        tokenizer_path="",
+        vocab_size=512,
+        max_target_length=L,
+        global_batch_size=4,
+        data_shuffle_seed=0,
+        eval_steps=0,
+        eval_split_fraction=0.05,
+        base_output_directory="",
+        packing=True,
+        grain_train_files=str(shards / "train-*.array_record"),
+        grain_eval_files=str(shards / "eval-*.array_record"),
+        grain_worker_count=0,
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+def records(shards, split):
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    out = []
+    for path in sorted(shards.glob(f"{split}-*.array_record")):
+        reader = ArrayRecordReader(str(path))
+        out += [np.frombuffer(r, "<u2").astype(np.int32) for r in reader.read_all()]
+        reader.close()
+    return out
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------- prepare
+
+
+def test_prepare_writes_every_document_tokenized_in_shards(prepared):
+    shards, manifest, texts = prepared
+    tok = load_sentencepiece(str(shards / "tokenizer.model"))
+    train, held = records(shards, "train"), records(shards, "eval")
+    assert len(train) + len(held) == len(texts) == 120
+    assert manifest["splits"]["train"]["documents"] == len(train)
+    assert manifest["splits"]["train"]["tokens"] == sum(r.size for r in train)
+    assert [s["documents"] for s in manifest["splits"]["train"]["shards"]][0] == 50
+    assert 0 < len(held) < 30  # ~10 % held out by name hash
+    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == tok.vocab_size
+    decoded = sorted(tok.decode(r) for r in train + held)
+    assert decoded == sorted([*texts[:-1], "Title\n\n" + texts[-1]])  # markdown stripped
+    for r in train:
+        assert r[0] == tok.bos_id and r[-1] == tok.eos_id
+
+
+def test_prepare_errors_are_one_line(tmp_path, prepared, capsys):
+    shards, _, _ = prepared
+    assert prepare_lib.main(["--input", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    assert "matches no .txt, .md or .jsonl file" in capsys.readouterr().err
+    assert prepare_lib.main(["--input", str(tmp_path), "--out", str(shards), "--quiet"]) == 2
+
+
+# ------------------------------------------------------------------------------------- packing
+
+
+def test_pack_rows_by_hand():
+    a = np.array([2, 10, 11, 12, 3])  # 4 pairs
+    b = np.array([2, 20, 21, 3])  # 3 pairs
+    c = np.arange(100, 111)  # 10 pairs -> segments of 6 and 4 with L=6
+    rows = doc_packing.pack_rows([a, b, c], 6)
+    # first fit: a (4) -> row 0; b (3) -> row 1; c[0:7] (6) -> row 2; c[6:11] (4) -> row 1? no
+    # (room 3) -> row 3... b fits row 1 (room 6 -> 3); c's second segment (4) -> new row 3.
+    np.testing.assert_array_equal(rows["inputs"][0], [2, 10, 11, 12, 0, 0])
+    np.testing.assert_array_equal(rows["targets"][0], [10, 11, 12, 3, 0, 0])
+    np.testing.assert_array_equal(rows["inputs_segmentation"][0], [1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(rows["inputs"][1], [2, 20, 21, 0, 0, 0])
+    np.testing.assert_array_equal(rows["inputs"][2], c[0:6])
+    np.testing.assert_array_equal(rows["targets"][2], c[1:7])
+    np.testing.assert_array_equal(rows["inputs"][3], [106, 107, 108, 109, 0, 0])
+    np.testing.assert_array_equal(rows["targets"][3], [107, 108, 109, 110, 0, 0])
+    np.testing.assert_array_equal(rows["targets_mask"][3], [1, 1, 1, 1, 0, 0])
+    small = doc_packing.pack_rows([np.array([2, 5, 3]), np.array([2, 6, 7, 3])], 6)
+    np.testing.assert_array_equal(small["inputs"], [[2, 5, 2, 6, 7, 0]])
+    np.testing.assert_array_equal(small["inputs_segmentation"], [[1, 1, 2, 2, 2, 0]])
+    np.testing.assert_array_equal(small["inputs_position"], [[0, 1, 0, 1, 2, 0]])
+    unpacked = doc_packing.pack_rows([np.array([2, 5, 3]), c], 6, packing=False)
+    np.testing.assert_array_equal(unpacked["inputs"], [[2, 5, 0, 0, 0, 0], c[:6]])  # truncated
+
+
+def test_every_target_is_predicted_once_per_epoch(prepared):
+    """Over one epoch (documents_per_window covers all), the counted targets are exactly the
+    documents' tokens after their first: nothing lost, nothing twice."""
+    shards, _, _ = prepared
+    docs = records(shards, "train")
+    rows = doc_packing.pack_rows(docs, L)
+    got = np.sort(rows["targets"][rows["targets_mask"] == 1])
+    want = np.sort(np.concatenate([d[1:] for d in docs]))
+    np.testing.assert_array_equal(got, want)
+    fill = rows["targets_mask"].mean()
+    assert fill > 0.9, fill  # first fit packs the rows
+
+
+# ------------------------------------------------------------------------ iterator and resume
+
+
+def test_batches_are_packed_rows_and_resume_is_exact_with_other_worker_count(prepared):
+    shards, _, _ = prepared
+    data = make_data(config(shards))
+    first = take(data.train, 7)
+    for key in doc_packing.ROW_KEYS:
+        assert first[0][key].shape == (4, L) and first[0][key].dtype == np.int32
+    assert max(b["inputs_segmentation"].max() for b in first) >= 2  # several docs in a row
+    state = json.loads(json.dumps(data.train.get_state()))
+    expected = take(data.train, 6)
+    # a worker process (its windows in grain's shared memory) from a restored position
+    again = make_data(config(shards, grain_worker_count=1))
+    again.train.set_state(state)
+    got = take(again.train, 6)
+    again.train.close()
+    assert_bitwise(expected, got, "batches after resume")
+
+
+def test_shuffle_seed_and_state_fingerprint(prepared):
+    shards, _, _ = prepared
+    a = next(make_data(config(shards)).train)
+    b = next(make_data(config(shards, data_shuffle_seed=1)).train)
+    assert not np.array_equal(a["inputs"], b["inputs"])
+    state = make_data(config(shards)).train.get_state()
+    other = make_data(config(shards, max_target_length=8))
+    with pytest.raises(ValueError, match=r"max_target_length: saved 16, now 8"):
+        other.train.set_state(state)
+
+
+def test_each_process_reads_only_its_documents(prepared):
+    """Process p of P reads documents p, p+P, ... of the shards: over an epoch (packing off,
+    one document per row, windows of one document) its rows are exactly those documents."""
+    shards, _, _ = prepared
+    docs = records(shards, "train")
+    P = 3
+    seen = []
+    for p in range(P):
+        windows = gp.train_windows(
+            gp.TokenShards(str(shards / "train-*.array_record"), "grain_train_files"),
+            seq_len=256,
+            packing=False,
+            pad_id=0,
+            seed=5,
+            process_index=p,
+            process_count=P,
+            documents_per_window=1,
+        )
+        mine = docs[p::P]
+        rows = [windows[i]["inputs"][0] for i in range(len(mine))]
+        got = sorted(tuple(r[r != 0]) for r in rows)
+        assert got == sorted(tuple(d[:-1]) for d in mine)
+        seen += got
+    assert sorted(seen) == sorted(tuple(d[:-1]) for d in docs)
+
+
+def test_eval_covers_the_held_out_documents_once_on_every_process(prepared):
+    shards, _, _ = prepared
+    held = records(shards, "eval")
+    want = np.sort(np.concatenate([d[1:] for d in held]))
+    per_process = [
+        list(make_data(config(shards, process_index=p, process_count=2)).eval_batches())
+        for p in range(2)
+    ]
+    assert len(per_process[0]) == len(per_process[1]) > 0
+    targets = [b["targets"][b["targets_mask"] == 1] for batches in per_process for b in batches]
+    np.testing.assert_array_equal(np.sort(np.concatenate(targets)), want)
+    assert all(b["inputs"].shape == (2, L) for b in per_process[0])
+
+
+# ------------------------------------------------------------------- packed loss (model side)
+
+
+@pytest.mark.parametrize("block", ["llama", "gpt"])
+def test_packed_batch_loss_is_the_sum_of_each_documents_loss(block):
+    """The train step's loss function on packed rows (segment ids, restarting positions,
+    padding masked) equals the documents' losses computed one by one, unpacked, within 1e-6
+    relative (not bitwise: the packed row's reductions run over other lengths); the counted
+    tokens are equal exactly."""
+    import jax
+    import jax.numpy as jnp
+
+    from MaxText.config import CONFIGS_DIR, load_config
+    from MaxText.model import Decoder
+    from MaxText.train_step import PACKED_BATCH_KEYS, batch_keys, make_loss_fn
+
+    small = [
+        str(CONFIGS_DIR / "base.yml"),
+        "emb_dim=32",
+        "num_query_heads=4",
+        "num_kv_heads=2",
+        "head_dim=8",
+        "mlp_dim=64",
+        "num_decoder_layers=2",
+        "vocab_size=64",
+        f"max_target_length={L}",
+        f"decoder_block={block}",
+    ]
+    packed_cfg = load_config(
+        [*small, "dataset_type=grain", "grain_train_files=x", "eval_interval=0"]
+    )
+    plain_cfg = load_config([*small, "dataset_type=synthetic"])
+    assert (
+        batch_keys(packed_cfg) == PACKED_BATCH_KEYS and batch_keys(plain_cfg) != PACKED_BATCH_KEYS
+    )
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(4, 64, n) for n in (5, 9, 3, 14, 7, 30)]  # the 30 spans two rows
+    rows = doc_packing.pack_rows(docs, L)
+    assert rows["inputs"].shape[0] < len(docs) + 1 and rows["inputs_segmentation"].max() >= 2
+    params = jax.jit(Decoder(packed_cfg).init)(jax.random.key(0), jnp.zeros((1, L), jnp.int32))
+    params = params["params"]
+    packed_loss = jax.jit(make_loss_fn(Decoder(packed_cfg)))
+    plain_loss = jax.jit(make_loss_fn(Decoder(plain_cfg)))
+    got_sum, got_count = packed_loss(params, {k: jnp.asarray(v) for k, v in rows.items()})
+    # Reference: every document (a long one: each of its L-token pieces) alone in its own row,
+    # plain causal attention from position 0; what follows it in the row is masked padding,
+    # which a causal model cannot see.
+    spans = [span for doc in docs for span in doc_packing.segments_of(doc, L, packing=True)]
+    alone = np.zeros((len(spans), L + 1), np.int32)
+    mask = np.zeros((len(spans), L), np.float32)
+    for i, span in enumerate(spans):
+        alone[i, : span.size] = span
+        mask[i, : span.size - 1] = 1
+    one_by_one = [
+        plain_loss(
+            params,
+            {
+                "inputs": alone[i : i + 1, :-1],
+                "targets": alone[i : i + 1, 1:],
+                "targets_mask": mask[i : i + 1],
+            },
+        )
+        for i in range(len(spans))
+    ]
+    want_sum = sum(float(s) for s, _ in one_by_one)
+    want_count = sum(float(c) for _, c in one_by_one)
+    assert float(got_count) == want_count == sum(d.size - 1 for d in docs)
+    np.testing.assert_allclose(float(got_sum), want_sum, rtol=1e-6)
