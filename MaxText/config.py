@@ -27,6 +27,7 @@ import yaml
 
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
 from MaxText.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values, pipeline_repeats
+from MaxText.stage_balance import parse_stage_layers
 from MaxText.unsupported_keys import UNSUPPORTED, UNSUPPORTED_DECODER_BLOCKS
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -50,9 +51,11 @@ DCN_KEYS = (
     "dcn_pipeline_parallelism",
 )
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Config.mesh_<axis>
+# Keys the trainer may resolve itself by planning (MaxText/plan.py) when set to "auto".
+AUTO_KEYS = ("num_pipeline_microbatches",)
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "pipeline_schedule": PIPELINE_SCHEDULES,
+    "pipeline_schedule": (*PIPELINE_SCHEDULES, "auto"),
     "gradient_reduction": ("step", "microbatch"),
     "decoder_block": ("llama", "gpt"),
     "hardware": ("auto", "cpu", "gpu", "gpu_multiprocess"),
@@ -88,6 +91,7 @@ class Config:
     pipeline_schedule: str
     num_pipeline_microbatches: int
     num_pipeline_repeats: int
+    pipeline_stage_layers: str
     # pipeline communication
     gradient_reduction: str
     pipeline_hang_timeout_s: float
@@ -190,6 +194,10 @@ class Config:
     num_stages: int = _derived(1)  # pipeline stages = pipeline groups x repeats
     stage_layers: tuple[int, ...] = _derived(())  # decoder layers in each stage
     microbatch_size: int = _derived(1)  # global_batch_size / num_pipeline_microbatches
+    # "auto" keys, resolved by the trainer through the planner (MaxText/plan.py); until then the
+    # config holds the defaults they replace (1f1b; 2 x stages microbatches)
+    schedule_auto: bool = _derived(False)
+    microbatches_auto: bool = _derived(False)
     output_dir: str = _derived("")  # base_output_directory/run_name
     config_path: str = _derived("")  # the YAML file argv[0]
 
@@ -405,6 +413,15 @@ def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def _stage_split(value: Any, num_layers: int, num_stages: int) -> tuple[int, ...] | str:
+    """`pipeline_stage_layers`: 'even', 'auto' (resolved by the trainer through the planner,
+    MaxText/stage_balance.py) or explicit counts per stage."""
+    try:
+        return parse_stage_layers(value, num_layers, num_stages)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _divisors(n: int) -> str:
     ds = [str(d) for d in range(1, n + 1) if n % d == 0]
     return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
@@ -561,6 +578,12 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
 
     # pipeline
     pipeline_repeats(v, pp)
+    v["schedule_auto"] = v["pipeline_schedule"] == "auto"
+    if v["schedule_auto"]:
+        v["pipeline_schedule"] = "1f1b"
+    v["microbatches_auto"] = v["num_pipeline_microbatches"] == "auto"
+    if v["microbatches_auto"]:
+        v["num_pipeline_microbatches"] = -1
     repeats = v["num_pipeline_repeats"]
     schedule = v["pipeline_schedule"]
     num_stages = pp * repeats
@@ -582,6 +605,10 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
             f"set num_pipeline_repeats=2 (got {repeats})"
         )
     v["stage_layers"] = stage_layer_counts(v["num_decoder_layers"], num_stages)
+    split = _stage_split(v["pipeline_stage_layers"], v["num_decoder_layers"], num_stages)
+    if isinstance(split, tuple):
+        v["stage_layers"] = split
+    v["pipeline_stage_layers"] = split if isinstance(split, str) else ",".join(map(str, split))
 
     # batch: per_device_batch_size counts every device (pipeline and tensor included) as in
     # MaxText; gradient_accumulation_steps multiplies the batch and the number of microbatches
@@ -715,7 +742,9 @@ def load_config(argv: Sequence[str]) -> Config:
             f"{' ...' if len(missing) > 5 else ''}; add `base_config: base.yml` to inherit defaults"
         )
     typed = {
-        key: _coerce(key, value, _field_type(key_fields()[key]), source)
+        key: value
+        if key in AUTO_KEYS and value == "auto"
+        else _coerce(key, value, _field_type(key_fields()[key]), source)
         for key, (value, source) in values.items()
     }
     return Config(**_validate_and_derive(typed, config_path))

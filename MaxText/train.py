@@ -32,7 +32,7 @@ from MaxText.checkpointing import Checkpoints
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.metrics import MetricsLogger
 from MaxText.model import count_params
-from MaxText.train_step import Trainer, build_trainer, evaluate
+from MaxText.train_step import Trainer, build_trainer, evaluate, measured_train_step
 
 log = logging.getLogger("MaxText")
 
@@ -93,10 +93,11 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     window: list[float] = []
     last: dict[str, Any] = {}
     pending: tuple[int, dict[str, Any]] | None = None
+    measured_peaks: list | None = None  # written into the first logged record
     t_done = time.perf_counter()
 
     def finish(step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
-        nonlocal t_done, last
+        nonlocal t_done, last, measured_peaks
         values = _scalars(metrics)  # blocks until `step` has finished
         now = time.perf_counter()
         seconds = now - t_done
@@ -140,6 +141,9 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
                 "tokens": values["tokens"],
                 **record,
             }
+            if measured_peaks is not None:
+                record["peak_bytes_per_group"] = measured_peaks
+                measured_peaks = None
             logger.write(record)
             window.clear()
             last = record
@@ -147,7 +151,10 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     try:
         for step in range(start + 1, config.steps + 1):
             batch = trainer.put_batch(next(train_iter))
-            state, metrics = trainer.train_step(state, batch)
+            if step == start + 1:  # peak bytes per group, measured once (a slower step)
+                state, metrics, measured_peaks = measured_train_step(trainer, state, batch)
+            else:
+                state, metrics = trainer.train_step(state, batch)
             if pending is not None:
                 finish(*pending, evaluate_now=False)
                 pending = None
@@ -196,6 +203,9 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    from MaxText.plan import resolve_auto
+
+    config = resolve_auto(argv, config)  # "auto" schedule, microbatches, stage split
     mesh = sharding.make_mesh(config, devs)
     trainer = build_trainer(config, mesh)
     try:

@@ -332,6 +332,26 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     )
 
 
+def pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh):
+    """The trainer's step under `mpmd_jit_with_loop` (not compiled yet); the planner compiles
+    the very same function on abstract inputs."""
+    from jaxpp_integration.schedules import schedule_from_name
+
+    schedule = schedule_from_name(
+        config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
+    )
+    return jaxpp.mpmd_jit_with_loop(
+        make_train_step(config, model, optimizer, lr_schedule, schedule=schedule),
+        mpmd_mesh=mpmd_mesh,
+        in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}),
+        out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
+        donate_argnums=(0,),
+        gradient_reduction=config.gradient_reduction,
+        pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
+        pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
+    )
+
+
 def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> Trainer:
     from jaxpp_integration.schedules import schedule_from_name
 
@@ -343,17 +363,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     first_group = mpmd_mesh.unstack[min(jaxpp.api.local_ranks(mpmd_mesh))]
     init_state, state_shardings = _init_on(first_group, config, model, optimizer, specs)
     batch_specs = {k: sharding.batch_spec() for k in batch_keys(config)}
-    step = make_train_step(config, model, optimizer, lr_schedule, schedule=schedule)
-    pipelined = jaxpp.mpmd_jit_with_loop(
-        step,
-        mpmd_mesh=mpmd_mesh,
-        in_specs=(specs, batch_specs),
-        out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
-        donate_argnums=(0,),
-        gradient_reduction=config.gradient_reduction,
-        pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
-        pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
-    )
+    pipelined = pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh)
 
     def put_batch(batch):
         # host arrays: the engine copies each to the groups that read it (first and last stage)
@@ -364,7 +374,8 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         {k: np.zeros(v.shape, v.dtype) for k, v in _batch_shapes(config).items()}
     )
     first_state = [init_state()]  # compiling does not consume it: hand it to the loop once
-    compiled = pipelined.compile(first_state[0], example_batch)
+    with sharding.axis_rules():  # activation constraints: batch-sharded inside each stage
+        compiled = pipelined.compile(first_state[0], example_batch)
     compile_seconds = time.perf_counter() - t0
     fresh_state = init_state
 
@@ -381,7 +392,8 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     def eval_step(params, batch):
         # Compiled at the first evaluation (every process alike: the engine meets at a barrier
         # after compiling). fetch: the sums live on the last group, maybe another process's.
-        return jaxpp.fetch(eval_pipelined(params, batch))
+        with sharding.axis_rules():  # traced at the first call
+            return jaxpp.fetch(eval_pipelined(params, batch))
 
     eval_step.pipelined = eval_pipelined  # for inspection (tests, benchmarks)
 
@@ -414,3 +426,32 @@ def evaluate(trainer: Trainer, params, batches: Iterable[dict[str, np.ndarray]],
         tokens += float(np.asarray(out["tokens"]))
         n += 1
     return total / max(tokens, 1.0), n
+
+
+def measured_train_step(trainer: Trainer, state, batch):
+    """One train step that also measures the peak bytes per device of each pipeline group:
+    `(state, metrics, [peak per group])`. Pipelined: the device buffers alive after every
+    instruction of the step (`jaxpp_integration.runtime.measuring_device_bytes`; it waits for
+    each task, so this step runs slower), the largest device of each group. SPMD: the backend's
+    `peak_bytes_in_use` where it reports memory stats (GPU), else None."""
+    from jaxpp_integration.runtime import measuring_device_bytes
+
+    if trainer.mpmd_mesh is None:
+        state, metrics = trainer.train_step(state, batch)
+        stats = [d.memory_stats() for d in trainer.mesh.devices.flat]
+        if all(s and "peak_bytes_in_use" in s for s in stats):
+            return state, metrics, [max(int(s["peak_bytes_in_use"]) for s in stats)]
+        return state, metrics, None
+    with measuring_device_bytes() as probe:
+        state, metrics = trainer.train_step(state, batch)
+        jax.block_until_ready(metrics)
+    groups = [
+        [d.id for d in trainer.mpmd_mesh.unstack[g].devices.flat]
+        for g in range(trainer.mpmd_mesh.mpmd_dim)
+    ]
+    (after_each,) = probe.steps
+    peaks = [
+        max((max(after.get(d, 0) for d in ids) for after in after_each), default=0)
+        for ids in groups
+    ]
+    return state, metrics, peaks

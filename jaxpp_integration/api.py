@@ -25,11 +25,12 @@ from jaxpp_integration.compile import compile_program
 from jaxpp_integration.fetch import fetch
 from jaxpp_integration.jax_compat import wait_at_barrier
 from jaxpp_integration.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
+from jaxpp_integration.memory import MemoryReport
 from jaxpp_integration.mesh import MpmdMesh
 from jaxpp_integration.reductions import Add, Concat, Max
 from jaxpp_integration.render import render_program
 from jaxpp_integration.reshard import mpmd_to_spmd_reshard
-from jaxpp_integration.runtime import MemoryReport, execute, prepare
+from jaxpp_integration.runtime import execute, prepare
 from jaxpp_integration.schedules import (
     DualPipeV,
     Eager1F1B,
@@ -374,7 +375,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
 
     with pipelined_tracing(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        with mesh.lowering_mesh():
+        with mesh.lowering_mesh(), jax.set_mesh(mesh.lowering_mesh()):
             closed, out_shape = jax.make_jaxpr(lambda *a: flat_fn(*a), return_shape=True)(*avals)
     out_tree = jax.tree.structure(out_shape)
     jaxpr = closed.jaxpr

@@ -6,12 +6,11 @@ target group's matching device (runs of consecutive transfers in one runtime cal
 `jax_compat.copy_shards`; `jax.device_put` when the layouts differ); deletes free buffers
 deterministically.
 
-It also keeps the books: logical bytes alive per group after every instruction (and the part of
-them that are forward activations, received ones included), and, when asked, measured per-task
-start/end times. The byte figures are logical: computed from the shapes of the values the
-program holds, in program order, not read off devices. `measuring_device_bytes()` checks them:
-inside it, every step also records the bytes of the device buffers actually alive per device
-after each instruction (slow; off unless that context is active).
+Each step returns the logical memory report of `memory.replay` (bytes alive per group after
+every instruction, from shapes in program order) and, when asked, measured per-task start/end
+times. `measuring_device_bytes()` checks the logical figures: inside it, every step also records
+the bytes of the device buffers actually alive per device after each instruction (slow; off
+unless that context is active).
 """
 
 from __future__ import annotations
@@ -22,31 +21,11 @@ import dataclasses
 import time
 
 import jax
-import numpy as np
 
+from jaxpp_integration import memory
 from jaxpp_integration.jax_compat import copy_shards, same_shard_layout
 from jaxpp_integration.program import Delete, Fill, Program, Run, Transfer
 from jaxpp_integration.transfer import cross_process_transfer
-
-
-@dataclasses.dataclass
-class MemoryReport:
-    """Logical bytes alive per group over one step: the sizes (from shapes and dtypes) of the
-    values each group holds after each instruction, in program order. Not a device reading:
-    XLA's temporaries inside a task are not in it, and asynchronous dispatch may free a buffer
-    later than its Delete. `activation_timeline` / `peak_activation_bytes` count forward
-    activations: those a group's forward tasks keep for their backward or send, and those it
-    received from the previous stage's group. A donated buffer is counted as freed by the task
-    it is donated to (XLA writes the task's output into it)."""
-
-    timeline: list  # per instruction: tuple of live bytes per rank
-    activation_timeline: list  # per instruction: live forward-activation bytes per rank
-    peak_bytes: tuple
-    peak_activation_bytes: tuple
-
-
-def _nbytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def execute(
@@ -74,12 +53,6 @@ def execute(
         regs[s] = v
     for s, v in prog.constants_on_device.items():
         regs[s] = v
-    n = prog.mpmd_dim
-    live = [0] * n
-    act = [0] * n
-    for s in inputs:
-        live[prog.slot_rank[s]] += prog.slot_bytes[s]
-    timeline, act_timeline = [], []
     events = []
     if watchdog is not None:
         watchdog.start()
@@ -89,14 +62,7 @@ def execute(
     for idx, ins in enumerate(prog.instrs):
         if watchdog is not None:
             watchdog.enter(idx)
-        if isinstance(ins, Run) and ins.code.rank not in local_ranks:
-            for s in ins.outs:
-                r = prog.slot_rank[s]
-                live[r] += prog.slot_bytes[s]
-                if prog.slot_kind[s] == "activation":
-                    act[r] += prog.slot_bytes[s]
-            _free_donated(prog, ins, live, act)
-        elif isinstance(ins, Run):
+        if isinstance(ins, Run) and ins.code.rank in local_ranks:
             t0 = time.perf_counter() if record_times else 0.0
             outs = executables[idx](*[regs[s] for s in ins.ins])
             if record_times:
@@ -104,11 +70,6 @@ def execute(
                 events.append((ins.code.rank, ins.name, ins.code, t0, time.perf_counter()))
             for s, v in zip(ins.outs, outs):
                 regs[s] = v
-                r = prog.slot_rank[s]
-                live[r] += prog.slot_bytes[s]
-                if prog.slot_kind[s] == "activation":
-                    act[r] += prog.slot_bytes[s]
-            _free_donated(prog, ins, live, act)
         elif isinstance(ins, Transfer):
             src_here, dst_here = ins.src_rank in local_ranks, ins.dst_rank in local_ranks
             if src_here and dst_here:
@@ -129,45 +90,22 @@ def execute(
                     mpmd_axis,
                     on_issue=None if watchdog is None else lambda a, i=idx: watchdog.watch(i, a),
                 )
-            live[ins.dst_rank] += prog.slot_bytes[ins.dst]
-            if prog.slot_kind[ins.dst] == "activation":
-                act[ins.dst_rank] += prog.slot_bytes[ins.dst]
         elif isinstance(ins, Fill):
             if ins.rank in local_ranks:  # a fresh buffer (on CPU it could alias host memory
                 # the program keeps, which the first accumulation then could not donate)
                 regs[ins.slot] = jax.device_put(ins.value, slot_sharding[ins.slot], may_alias=False)
-            live[ins.rank] += prog.slot_bytes[ins.slot]
         elif isinstance(ins, Delete):
             v = regs[ins.slot]
             if v is not None and not ins.donated and not v.is_deleted():
                 v.delete()
             regs[ins.slot] = None
-            if not ins.donated:  # a donated buffer was freed by the task it went to
-                live[ins.rank] -= prog.slot_bytes[ins.slot]
-                if prog.slot_kind[ins.slot] == "activation":
-                    act[ins.rank] -= prog.slot_bytes[ins.slot]
-        timeline.append(tuple(live))
-        act_timeline.append(tuple(act))
         if probe is not None:
             probe.record()
     if watchdog is not None:
         watchdog.leave()
     outputs = [{r: regs[s] for r, s in slots.items()} for slots in prog.outputs]
-    report = MemoryReport(
-        timeline,
-        act_timeline,
-        tuple(max(t[r] for t in timeline) if timeline else 0 for r in range(n)),
-        tuple(max(t[r] for t in act_timeline) if act_timeline else 0 for r in range(n)),
-    )
+    report = memory.replay(prog, prog.slot_bytes, input_slots=inputs)
     return outputs, report, events
-
-
-def _free_donated(prog: Program, run: Run, live: list, act: list) -> None:
-    for d in run.donate:
-        s = run.ins[d]
-        live[prog.slot_rank[s]] -= prog.slot_bytes[s]
-        if prog.slot_kind[s] == "activation":
-            act[prog.slot_rank[s]] -= prog.slot_bytes[s]
 
 
 @dataclasses.dataclass
@@ -232,7 +170,7 @@ def measuring_device_bytes():
 def prepare(prog: Program, slot_sharding, local_ranks) -> None:
     """Puts the program's constants on this process's groups once, sizes every slot, and groups
     runs of consecutive local transfers so each run is one copy call."""
-    prog.slot_bytes = [_nbytes(a) for a in prog.slot_aval]
+    prog.slot_bytes = [memory.slot_nbytes(a) for a in prog.slot_aval]
     prog.slot_producer = {s: ins for ins in prog.instrs if isinstance(ins, Run) for s in ins.outs}
     prog.transfer_batches = {}
     start = None

@@ -1,0 +1,609 @@
+"""Plans a run before launch: does the config fit, per pipeline group, and how fast will it be?
+
+    python -m MaxText.plan configs/base.yml [key=value ...] [--hardware h100|h200|a100|cpu]
+                           [--json FILE]
+
+It builds the trainer's real step for the config (the same `make_train_step`, model, optimizer,
+shardings and schedule `train.py` uses) and compiles it on abstract inputs
+(`jax.ShapeDtypeStruct`s): emulated devices as needed, no parameter memory. From the compiled
+program it reads, per pipeline group and per device:
+
+- parameters, optimizer state (everything else in the train state), gradient accumulators, peak
+  forward activations (the schedule's in-flight microbatches, from the engine's own program
+  replayed statically: `jaxpp_integration.memory`), XLA temporaries (the largest
+  `memory_analysis().temp_size_in_bytes` of the group's tasks) and the total peak (live values at
+  every instruction plus the running task's temporaries);
+- the predicted step time: each task costs max(FLOPs / (peak x efficiency), bytes / HBM
+  bandwidth) from the compiled task's `cost_analysis()`, activations cross groups at the link's
+  bandwidth, and the simulator (`jaxpp_integration.simulate`) replays the schedule with those
+  costs; before- and after-loop work (the optimizer) is added per group. MFU = the model FLOPs of
+  `MaxText.flops` / (devices x step time x peak).
+
+Temporaries come from the backend that compiles the plan: on a CPU host that is XLA:CPU, a proxy
+for the accelerator's compiler (usually larger: XLA:CPU reuses scratch buffers less).
+
+Exit code 0 when every group fits the hardware's memory, 1 with one line per group that does not
+(and concrete suggestions), 2 for a config error. `--json` writes the plan as data (see `Plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("MaxText")
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator: memory per device, dense peak for the compute dtype, bandwidths."""
+
+    name: str
+    memory_bytes: float
+    peak_tflops: float  # dense bf16 (tensor cores)
+    hbm_gbps: float  # device memory bandwidth, GB/s
+    link_gbps: float  # stage-to-stage bandwidth per device, GB/s (pipelines usually cross nodes)
+    efficiency: float = 0.6  # fraction of the peak a large matmul-bound task reaches
+
+    def task_seconds(self, flops: float, bytes_accessed: float) -> float:
+        compute = flops / (self.peak_tflops * 1e12 * self.efficiency)
+        memory = bytes_accessed / (self.hbm_gbps * GB)
+        return max(compute, memory, 1e-9)
+
+
+# SXM parts; link = one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), the usual inter-node fabric
+# a pipeline crosses. Override any figure with --memory-gb, --peak-tflops, --hbm-gbps, --link-gbps.
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("h100", 80 * GB, 989.0, 3350.0, 50.0),
+    "h200": Hardware("h200", 141 * GB, 989.0, 4800.0, 50.0),
+    "a100": Hardware("a100", 80 * GB, 312.0, 2039.0, 25.0),
+}
+
+
+def cpu_hardware(num_devices: int) -> Hardware:
+    """This host, shared by the emulated devices (the trainer's CPU estimate of the peak)."""
+    from MaxText.flops import CPU_ASSUMED_GHZ, _cpu_flops_per_cycle
+
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cores = os.cpu_count() or 1
+    peak = cores * _cpu_flops_per_cycle() * CPU_ASSUMED_GHZ * 1e9 / 1e12
+    return Hardware("cpu", pages / num_devices, peak / num_devices, 10.0, 2.0, efficiency=0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """Bytes per device of one pipeline group (the SPMD step is one group)."""
+
+    group: int
+    params_bytes: int
+    optimizer_bytes: int
+    grad_bytes: int
+    activation_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    live_peak_bytes: int = 0  # peak without XLA temporaries (what device buffers show)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    fits: bool
+    hardware: str
+    stage_layers: list
+    schedule: str
+    num_microbatches: int
+    groups: list  # of GroupPlan
+    predicted: dict  # step_time_s, bubble, mfu
+    memory_bytes: float = 0.0  # per device, of the hardware planned for
+    stage_costs: Any = None  # stage_balance.StageCosts measured on this split (pipelined only)
+    baseline: Any = None  # schedule_choice.Baseline measured on this configuration
+    compared: Any = None  # the even split's Plan when this one was balanced automatically
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "hardware": self.hardware,
+            "stage_layers": list(self.stage_layers),
+            "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "groups": [
+                {k: v for k, v in dataclasses.asdict(g).items() if k != "live_peak_bytes"}
+                for g in self.groups
+            ],
+            "predicted": dict(self.predicted),
+        }
+
+    def problems(self) -> list[str]:
+        return [
+            f"group {g.group} needs {_size(g.peak_bytes)} per device but {self.hardware} has "
+            f"{_size(self.memory_bytes)}" + _suggestion(g, self)
+            for g in self.groups
+            if g.peak_bytes > self.memory_bytes
+        ]
+
+
+def _suggestion(g: GroupPlan, plan: Plan) -> str:
+    state = g.params_bytes + g.optimizer_bytes + g.grad_bytes
+    if state > plan.memory_bytes:
+        return (
+            f" (state alone is {_size(state)}: more pipeline stages "
+            f"(pipeline_parallelism) or ici_fsdp_parallelism shard it)"
+        )
+    if g.activation_bytes + g.temp_bytes > g.peak_bytes / 2:
+        return (
+            f" (activations {_size(g.activation_bytes)} + temporaries {_size(g.temp_bytes)}"
+            f": try remat_policy=full, more num_pipeline_microbatches (smaller microbatches), "
+            f"or a smaller per_device_batch_size)"
+        )
+    return " (try more pipeline stages, ici_fsdp_parallelism, or remat_policy=full)"
+
+
+# ---------------------------------------------------------------------------------- building
+
+
+def _state_kind(path) -> str:
+    """'params' | 'optimizer' | 'batch' for one flat step input (args are (state, batch))."""
+    if path[0].idx != 0:
+        return "batch"
+    return "params" if getattr(path[1], "key", None) == "params" else "optimizer"
+
+
+def _cost(executable) -> tuple[float, float]:
+    ca = executable.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    ca = ca or {}
+    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+
+
+def plan_pipelined(config, hardware: Hardware) -> Plan:
+    import jax
+
+    from MaxText import sharding
+    from MaxText import train_step as ts
+    from MaxText.model import Decoder
+    from MaxText.optimizer import make_optimizer
+
+    mesh = sharding.make_mesh(config, jax.devices()[: config.num_devices])
+    model = Decoder(config)
+    optimizer, lr = make_optimizer(config)
+    abstract_state, specs = ts.state_specs(config, model, optimizer)
+    fn = ts.pipelined_train_step(config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh))
+    t0 = time.perf_counter()
+    with sharding.axis_rules():  # as the trainer compiles it
+        compiled = fn.compile(abstract_state, ts._batch_shapes(config))
+    log.info("plan: step compiled on abstract inputs in %.1f s", time.perf_counter() - t0)
+    return plan_compiled(config, hardware, compiled, abstract_state)
+
+
+def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
+    """The plan read off an already compiled pipelined step (the planner's abstract one, or the
+    trainer's own `trainer.train_step`, as the validation against measured bytes does)."""
+    import jax
+
+    from jaxpp_integration import memory
+    from jaxpp_integration.program import Run, Transfer
+    from jaxpp_integration.schedules import Phase
+    from jaxpp_integration.simulate import Costs, simulate
+
+    schedule = compiled.schedule
+    prog = compiled.program
+    nbytes = memory.shard_bytes(prog, compiled.slot_sharding)
+
+    temp, seconds = {}, {}
+    for idx, ins in enumerate(prog.instrs):
+        if isinstance(ins, Run):
+            exe = compiled.executables[idx]
+            temp[idx] = int(exe.memory_analysis().temp_size_in_bytes)
+            seconds[idx] = hardware.task_seconds(*_cost(exe))
+    peaks = memory.replay(prog, nbytes, temp_bytes=temp)
+
+    n = prog.mpmd_dim
+    params, opt, layer_state = [0] * n, [0] * n, [0] * n
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((abstract_state, 0))[0]][:-1]
+    for path, slots in zip(paths, prog.inputs):
+        kind = _state_kind(path)
+        in_layer = any(str(getattr(k, "key", "")).startswith("layers") for k in path)
+        for r, s in slots.items():
+            if kind == "params":
+                params[r] += nbytes[s]
+            elif kind == "optimizer":
+                opt[r] += nbytes[s]
+            if in_layer and kind != "batch":  # + its gradient accumulator for weights
+                layer_state[r] += nbytes[s] * (2 if kind == "params" else 1)
+    zeros = (0,) * n
+    groups = []
+    for r in range(n):
+        group_temp = max((t for i, t in temp.items() if prog.instrs[i].code.rank == r), default=0)
+        groups.append(
+            GroupPlan(
+                group=r,
+                params_bytes=params[r],
+                optimizer_bytes=opt[r],
+                grad_bytes=peaks.peak_by_kind.get("acc", zeros)[r],
+                activation_bytes=peaks.peak_activation_bytes[r],
+                temp_bytes=group_temp,
+                peak_bytes=peaks.peak_with_temp_bytes[r],
+                live_peak_bytes=peaks.peak_bytes[r],
+            )
+        )
+
+    # Step time: loop tasks through the simulator, before/after-loop work added per group.
+    per_task: dict = {}
+    outside = [0.0] * n
+    transfer_bytes, loop_made = 0, set()
+    for idx, ins in enumerate(prog.instrs):
+        if isinstance(ins, Run):
+            code = ins.code
+            if code.kind == "loop":
+                key = (code.phase, code.stage)
+                per_task[key] = max(per_task.get(key, 0.0), seconds[idx])
+                loop_made.update(ins.outs)
+            else:
+                outside[code.rank] += seconds[idx]
+        elif isinstance(ins, Transfer) and ins.src in loop_made:
+            # a stage boundary (activation forward, its gradient backward)
+            transfer_bytes = max(transfer_bytes, nbytes[ins.dst])
+    for stage in range(schedule.num_stages):  # a task with no work of its own (the last
+        for phase in Phase:  # stage's backward folded into its forward) costs nothing
+            per_task.setdefault((phase, stage), 1e-9)
+    costs = Costs(transfer=transfer_bytes / (hardware.link_gbps * GB), per_task=per_task or None)
+    sim = simulate(schedule, config.num_pipeline_microbatches, costs)
+    step_time = sim.makespan + max(outside)
+    out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
+    stage_costs = _stage_costs(config, schedule, per_task, groups, layer_state)
+    baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
+    return dataclasses.replace(out, stage_costs=stage_costs, baseline=baseline)
+
+
+def _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside):
+    """What `schedule_choice` needs from this plan (see its module docstring)."""
+    from jaxpp_integration.schedules import Phase
+    from MaxText.schedule_choice import Baseline
+
+    fwd = sum(t for (phase, _), t in per_task.items() if phase is Phase.FWD and t > 1e-6)
+    total = sum(t for t in per_task.values() if t > 1e-6)
+    layers = list(config.stage_layers)
+    stages0 = [s for s in range(len(layers)) if schedule.stage_to_rank(s) == 0]
+    mean0 = sum(layers[s] for s in stages0) / len(stages0)
+    live0 = max(sim.peak_live_activations[0], 1)
+    return Baseline(
+        num_groups=len(groups),
+        num_layers=config.num_decoder_layers,
+        microbatches=config.num_pipeline_microbatches,
+        global_batch=config.global_batch_size,
+        data_parallel=config.data_parallel_devices,
+        seconds_per_layer=stage_costs.seconds_per_layer,
+        first_extra_s=stage_costs.extra_seconds[0],
+        last_extra_s=stage_costs.extra_seconds[-1],
+        fwd_fraction=fwd / total if total else 1 / 3,
+        transfer_s=costs.transfer,
+        outside_s=max(outside),
+        activation_bytes_per_layer=groups[0].activation_bytes / (live0 * mean0),
+        other_bytes=tuple(g.peak_bytes - g.activation_bytes - g.temp_bytes for g in groups),
+        temp_bytes=tuple(g.temp_bytes for g in groups),
+    )
+
+
+def _stage_costs(config, schedule, per_task, groups, layer_state):
+    """The linear per-stage cost model `stage_balance` needs, read off this split's plan."""
+    from MaxText.stage_balance import StageCosts
+
+    layers = list(config.stage_layers)
+    num_stages = len(layers)
+    group_of = tuple(schedule.stage_to_rank(s) for s in range(num_stages))
+    stage_time = [
+        sum(t for (_, stage), t in per_task.items() if stage == s and t > 1e-6)
+        for s in range(num_stages)
+    ]
+    middle = range(1, num_stages - 1)
+    if middle:
+        per_layer = sum(stage_time[s] for s in middle) / sum(layers[s] for s in middle)
+    else:  # two stages: the embedding lookup is negligible next to the first stage's layers
+        per_layer = stage_time[0] / layers[0]
+    extra = tuple(max(0.0, stage_time[s] - layers[s] * per_layer) for s in range(num_stages))
+    layers_on = [0] * len(groups)
+    for s, g in enumerate(group_of):
+        layers_on[g] += layers[s]
+    state_per_layer = sum(layer_state) / sum(layers)
+    act_per_layer = tuple(groups[g].activation_bytes / layers_on[g] for g in group_of)
+    fixed = tuple(
+        g.peak_bytes - layers_on[i] * state_per_layer - g.activation_bytes
+        for i, g in enumerate(groups)
+    )
+    return StageCosts(per_layer, extra, state_per_layer, act_per_layer, fixed, group_of)
+
+
+def plan_spmd(config, hardware: Hardware) -> Plan:
+    import jax
+    from jax.sharding import NamedSharding
+
+    from MaxText import sharding
+    from MaxText import train_step as ts
+    from MaxText.model import Decoder
+    from MaxText.optimizer import make_optimizer
+
+    mesh = sharding.make_mesh(config, jax.devices()[: config.num_devices])
+    model = Decoder(config)
+    optimizer, lr = make_optimizer(config)
+    abstract_state, specs = ts.state_specs(config, model, optimizer)
+    shardings = sharding.named_shardings(mesh, specs)
+    batch_sharding = NamedSharding(mesh, sharding.batch_spec())
+    step = ts.make_train_step(config, model, optimizer, lr, schedule=None)
+    state_in = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+    batch_in = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+        for k, v in ts._batch_shapes(config).items()
+    }
+    with jax.set_mesh(mesh), sharding.axis_rules():
+        exe = jax.jit(step, donate_argnums=(0,)).lower(state_in, batch_in).compile()
+
+    def per_device(tree):
+        return sum(
+            _prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+        )
+
+    params = per_device(state_in["params"])
+    opt = per_device({k: v for k, v in state_in.items() if k != "params"})
+    m = exe.memory_analysis()
+    temp = int(m.temp_size_in_bytes)
+    peak = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + temp)
+    # SPMD: gradients and activations live inside XLA's temporaries
+    groups = [GroupPlan(0, params, opt, 0, 0, temp, peak)]
+    step_time = hardware.task_seconds(*_cost(exe))
+    return _finish(config, hardware, groups, None, step_time, 0.0)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _finish(config, hardware, groups, schedule, step_time, bubble) -> Plan:
+    from MaxText.flops import training_flops_per_step
+
+    model_flops = training_flops_per_step(config).total
+    mfu = model_flops / (config.num_devices * step_time * hardware.peak_tflops * 1e12)
+    fits = all(g.peak_bytes <= hardware.memory_bytes for g in groups)
+    return Plan(
+        fits=fits,
+        hardware=hardware.name,
+        stage_layers=list(config.stage_layers) if config.is_pipelined else [],
+        schedule=config.pipeline_schedule if schedule is not None else "spmd",
+        num_microbatches=config.num_pipeline_microbatches,
+        groups=groups,
+        predicted={"step_time_s": step_time, "bubble": bubble, "mfu": mfu},
+        memory_bytes=hardware.memory_bytes,
+    )
+
+
+def make_plan(config, hardware: Hardware) -> Plan:
+    """The plan for `config` (devices must already exist: see `main`). With
+    `pipeline_stage_layers=auto` the even split is planned first, `stage_balance` picks the
+    split from its costs, and that split is planned (compiled) again; `.compared` holds the even
+    plan for the side-by-side view."""
+    if not config.is_pipelined:
+        return plan_spmd(config, hardware)
+    if config.pipeline_stage_layers != "auto":
+        return plan_pipelined(config, hardware)
+    even = plan_pipelined(config, hardware)
+    split = auto_stage_layers(config, even, hardware)
+    if split is None or list(split) == even.stage_layers:
+        return even
+    balanced = plan_pipelined(dataclasses.replace(config, stage_layers=split), hardware)
+    return dataclasses.replace(balanced, compared=even)
+
+
+def auto_stage_layers(config, even: Plan, hardware: Hardware):
+    """The balanced split for `config` from the even split's plan (None if nothing fits)."""
+    from MaxText.stage_balance import balance
+
+    return balance(even.stage_costs, config.num_decoder_layers, hardware.memory_bytes)
+
+
+def local_hardware(config) -> Hardware:
+    """The devices this process trains on, for the trainer's own planning (`auto` keys)."""
+    import jax
+
+    from MaxText.flops import peak_tflops
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return cpu_hardware(config.num_devices)
+    stats = device.memory_stats() or {}
+    kind = device.device_kind.lower()
+    base = next((h for name, h in HARDWARE.items() if name in kind), HARDWARE["h100"])
+    return dataclasses.replace(
+        base,
+        name=device.device_kind,
+        memory_bytes=float(stats.get("bytes_limit", base.memory_bytes)),
+        peak_tflops=peak_tflops(config, device.platform, device.device_kind).tflops,
+    )
+
+
+def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None):
+    """`pipeline_schedule=auto` / `num_pipeline_microbatches=auto`: the config with the fastest
+    predicted (schedule, virtual stages, microbatches) that fits (`schedule_choice`, from one plan
+    of the defaults), logged with the runner-up. The choice is appended to `argv` and the config
+    loaded again, so it is validated like a typed one."""
+    from MaxText.config import load_config
+    from MaxText.schedule_choice import choose, microbatch_options
+
+    if not (config.is_pipelined and (config.schedule_auto or config.microbatches_auto)):
+        return config
+    base = base or plan_pipelined(config, hardware)
+    schedules = _all_schedules() if config.schedule_auto else [config.pipeline_schedule]
+    if config.microbatches_auto:
+        counts = microbatch_options(base.baseline)
+    else:
+        counts = [config.num_pipeline_microbatches]
+    ranked = choose(base.baseline, hardware.memory_bytes, schedules, counts)
+    if not ranked:
+        log.info("auto schedule: no candidate for this batch; keeping %s", config.pipeline_schedule)
+        return config
+    log.info("auto schedule: %s", ranked[0].describe())
+    if len(ranked) > 1:
+        log.info("runner-up: %s", ranked[1].describe())
+    best = ranked[0]
+    return load_config(
+        [
+            *argv,
+            f"pipeline_schedule={best.schedule}",
+            f"num_pipeline_repeats={best.repeats}",
+            f"num_pipeline_microbatches={best.microbatches}",
+        ]
+    )
+
+
+def resolve_auto(argv, config, hardware: Hardware | None = None):
+    """The trainer's config with every "auto" key decided: the schedule and microbatches first
+    (`resolve_schedule`), then `pipeline_stage_layers=auto` from a plan of that schedule."""
+    if not config.is_pipelined:
+        return config
+    needs_schedule = config.schedule_auto or config.microbatches_auto
+    if not needs_schedule and config.pipeline_stage_layers != "auto":
+        return config
+    hardware = hardware or local_hardware(config)
+    config = resolve_schedule(argv, config, hardware)
+    if config.pipeline_stage_layers != "auto":
+        return config
+    base = plan_pipelined(config, hardware)
+    split = auto_stage_layers(config, base, hardware)
+    if split is None:
+        log.info(
+            "pipeline_stage_layers=auto: no split fits %s per device; keeping %s",
+            _size(hardware.memory_bytes),
+            base.stage_layers,
+        )
+        return config
+    log.info(
+        "pipeline_stage_layers=auto: %s (even split %s; predicted slowest stage %.3g s vs %.3g s)",
+        list(split),
+        base.stage_layers,
+        _slowest(base.stage_costs, split),
+        _slowest(base.stage_costs, base.stage_layers),
+    )
+    return dataclasses.replace(config, stage_layers=tuple(split))
+
+
+def _all_schedules() -> list[str]:
+    from MaxText.config import PIPELINE_SCHEDULES
+
+    return list(PIPELINE_SCHEDULES)
+
+
+def _slowest(costs, split) -> float:
+    return max(costs.stage_seconds(s, n) for s, n in enumerate(split))
+
+
+# -------------------------------------------------------------------------------- command line
+
+
+def _unit(nbytes: float) -> tuple[float, str]:
+    for scale, name in ((GB, "GB"), (1e6, "MB")):
+        if nbytes >= scale:
+            return scale, name
+    return 1e3, "KB"
+
+
+def _size(nbytes: float) -> str:
+    scale, name = _unit(nbytes)
+    return f"{nbytes / scale:.3g} {name}"
+
+
+def format_plan(plan: Plan) -> str:
+    scale, name = _unit(max(g.peak_bytes for g in plan.groups))
+    rows = [
+        f"plan for {plan.hardware} ({_size(plan.memory_bytes)} per device): "
+        f"schedule {plan.schedule}, {plan.num_microbatches} microbatches"
+        + (f", stages of {plan.stage_layers} layers" if plan.stage_layers else ""),
+        f"{'group':>5} {'params':>9} {'optim':>9} {'grads':>9} {'activ':>9} {'temp':>9} "
+        f"{'peak':>9}  ({name} per device)",
+    ]
+    for g in plan.groups:
+        cells = (
+            g.params_bytes,
+            g.optimizer_bytes,
+            g.grad_bytes,
+            g.activation_bytes,
+            g.temp_bytes,
+            g.peak_bytes,
+        )
+        mark = "" if g.peak_bytes <= plan.memory_bytes else "  does not fit"
+        rows.append(f"{g.group:>5} " + " ".join(f"{c / scale:9.2f}" for c in cells) + mark)
+    p = plan.predicted
+    rows.append(
+        f"predicted step {p['step_time_s']:.3f} s, bubble {100 * p['bubble']:.1f}%, "
+        f"MFU {100 * p['mfu']:.1f}%"
+    )
+    if plan.compared is not None:
+        e, a = plan.compared, plan
+        rows.append(
+            f"stage split: even {e.stage_layers} -> auto {a.stage_layers}: step "
+            f"{e.predicted['step_time_s']:.3f} s -> {a.predicted['step_time_s']:.3f} s "
+            f"({e.predicted['step_time_s'] / a.predicted['step_time_s']:.2f}x); largest peak "
+            f"{_size(max(g.peak_bytes for g in e.groups))} -> "
+            f"{_size(max(g.peak_bytes for g in a.groups))}"
+        )
+    return "\n".join(rows)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m MaxText.plan", add_help=True)
+    parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"])
+    parser.add_argument("--json", dest="json_path", default=None)
+    for flag in ("memory-gb", "peak-tflops", "hbm-gbps", "link-gbps", "efficiency"):
+        parser.add_argument(f"--{flag}", type=float, default=None)
+    return parser.parse_known_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from MaxText import devices
+    from MaxText.config import ConfigError, load_config
+
+    try:
+        config = load_config(rest)
+        devices.setup(**config.device_args())
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    hardware = HARDWARE.get(args.hardware) or cpu_hardware(config.num_devices)
+    overrides = {
+        "memory_bytes": args.memory_gb and args.memory_gb * GB,
+        "peak_tflops": args.peak_tflops,
+        "hbm_gbps": args.hbm_gbps,
+        "link_gbps": args.link_gbps,
+        "efficiency": args.efficiency,
+    }
+    hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
+    try:
+        config = resolve_schedule(rest, config, hardware)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    plan = make_plan(config, hardware)
+    print(format_plan(plan))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(plan.as_json(), f, indent=1)
+    problems = plan.problems()
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Plans of Llama 2 7B and 70B on H100s at pipeline_parallelism 4 and 8: even vs auto stage split.
+
+    python benchmarks/plan_llama.py [--only NAME]      (~minutes per row on a 2-core CPU)
+
+Each row runs `python -m MaxText.plan ... pipeline_stage_layers=auto --json` in its own process
+(each needs its own number of emulated devices), which plans the even split, balances it and
+plans the balanced split. Results: benchmarks/results/plan_llama.json and a markdown table.
+Nothing is allocated: the real step is compiled on abstract inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "benchmarks" / "results" / "plan_llama.json"
+
+COMMON = ["dataset_type=synthetic", "pipeline_stage_layers=auto"]
+ROWS = {
+    "llama2-7b pp4 fsdp2": [
+        "model_name=llama2-7b",
+        "pipeline_parallelism=4",
+        "ici_fsdp_parallelism=2",
+        "global_batch_size=32",
+        "num_pipeline_microbatches=8",
+    ],
+    "llama2-7b pp8": [
+        "model_name=llama2-7b",
+        "pipeline_parallelism=8",
+        "global_batch_size=16",
+        "num_pipeline_microbatches=16",
+    ],
+    "llama2-70b pp4 fsdp8": [
+        "model_name=llama2-70b",
+        "pipeline_parallelism=4",
+        "ici_fsdp_parallelism=8",
+        "global_batch_size=64",
+        "num_pipeline_microbatches=8",
+    ],
+    "llama2-70b pp8 fsdp8": [
+        "model_name=llama2-70b",
+        "pipeline_parallelism=8",
+        "ici_fsdp_parallelism=8",
+        "global_batch_size=128",
+        "num_pipeline_microbatches=16",
+    ],
+}
+
+
+def run_row(name: str, keys: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "MaxText.plan",
+                "configs/base.yml",
+                *keys,
+                *COMMON,
+                "--hardware",
+                "h100",
+                "--json",
+                str(out),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        seconds = time.perf_counter() - t0
+        print(proc.stdout, file=sys.stderr)
+        if proc.returncode not in (0, 1):
+            raise RuntimeError(f"{name}: plan failed:\n{proc.stderr[-3000:]}")
+        return {
+            "name": name,
+            "keys": keys,
+            "plan_seconds": round(seconds, 1),
+            "exit_code": proc.returncode,
+            "text": proc.stdout,
+            "plan": json.loads(out.read_text()),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args()
+    results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    for name, keys in ROWS.items():
+        if args.only and args.only != name:
+            continue
+        results[name] = run_row(name, keys)
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(results, indent=1))
+    for r in results.values():
+        print(f"## {r['name']} ({r['plan_seconds']} s)\n{r['text']}")
+
+
+if __name__ == "__main__":
+    main()
