@@ -33,7 +33,9 @@ folders are removed when the next run opens the manager. Before a checkpoint is 
 metadata files are parsed and every stored array chunk is read once (`_verify_arrays`); a
 complete checkpoint that cannot be read (truncated or corrupt file) is skipped with a warning
 naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and the
-previous one is used.
+previous one is used. Only storage and decoding errors count as "cannot be read"
+(`is_storage_error`: a missing or unreadable file, invalid JSON, tensorstore's read/decode
+statuses); any other exception is a bug, propagates with its traceback and moves nothing.
 
 **Several processes** (`num_processes>1`): every process opens the same manager (a folder all of
 them see) and saves collectively. orbax writes only arrays that span processes, so a pipelined
@@ -53,6 +55,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -93,6 +96,10 @@ LAYOUT_KEYS = (
     "ici_fsdp_parallelism",
     "ici_tensor_parallelism",
     "ici_pipeline_parallelism",
+    "dcn_data_parallelism",
+    "dcn_fsdp_parallelism",
+    "dcn_tensor_parallelism",
+    "dcn_pipeline_parallelism",
     "pipeline_schedule",
     "num_pipeline_repeats",
     "num_pipeline_microbatches",
@@ -126,12 +133,56 @@ def _open_manager(directory: str | os.PathLike, config: Config | None, read_only
         absl_logger.setLevel(level)
 
 
-def _check_json_files(step_dir: Path) -> None:
-    """Raises ValueError naming the first metadata file of `step_dir` that is not valid JSON.
+class UnreadableCheckpointError(Exception):
+    """A checkpoint's files are missing or damaged (found by the pre-reads below)."""
+
+
+# tensorstore reports read and decode failures as ValueError("<absl status>: ..."); these statuses
+# mean the stored bytes are missing, short or undecodable. INVALID_ARGUMENT / INTERNAL / UNKNOWN
+# are left out on purpose: they also come from wrong arguments, i.e. from a bug in the caller.
+_STORAGE_STATUSES = re.compile(
+    r"^(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE): "
+)
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """True when `e` (or an exception it was raised from) says the stored files are unreadable.
+
+    Storage/decoding errors: `UnreadableCheckpointError` (our pre-reads), `OSError` (a missing,
+    short or unreadable file), `json.JSONDecodeError` / `UnicodeDecodeError` (a damaged metadata
+    file), tensorstore's `ValueError` with a read/decode status (see `_STORAGE_STATUSES`). orbax
+    wraps tensorstore's error in a bare `Exception` ("Encountered error while reading array
+    index"), so the chain of causes is searched. Anything else (TypeError, AttributeError, a
+    structure mismatch, ...) is a bug and must not mark a checkpoint unreadable.
+    """
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, UnreadableCheckpointError | OSError | UnicodeDecodeError):
+            return True
+        if isinstance(e, json.JSONDecodeError):
+            return True
+        if type(e) is ValueError and _STORAGE_STATUSES.match(str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _check_files(step_dir: Path, json_items: Sequence[str], state: bool) -> None:
+    """Raises UnreadableCheckpointError naming the first required file of `step_dir` that is
+    missing or the first metadata file that is not valid JSON.
 
     orbax itself tolerates an unreadable `_CHECKPOINT_METADATA`; a truncated one still means the
-    checkpoint was damaged, so it is treated like any other corrupt file.
+    checkpoint was damaged, so it is treated like any other corrupt file. A missing `_METADATA`
+    or item folder makes orbax fail with a tree-structure `ValueError` or a `KeyError`, which
+    look like bugs, so their presence is checked here first.
     """
+    required = [f"{name}/metadata" for name in json_items]
+    if state:
+        required += ["state/_METADATA", "state/manifest.ocdbt"]
+    for name in required:
+        if not (step_dir / name).is_file():
+            raise UnreadableCheckpointError(f"{name} is missing")
     for path in sorted(step_dir.rglob("*")):
         if not path.is_file():
             continue
@@ -143,7 +194,9 @@ def _check_json_files(step_dir: Path) -> None:
             try:
                 json.loads(path.read_text())
             except (ValueError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path.relative_to(step_dir)} is not valid JSON ({e})") from None
+                raise UnreadableCheckpointError(
+                    f"{path.relative_to(step_dir)} is not valid JSON ({e})"
+                ) from None
 
 
 def _verify_arrays(state_dir: Path, prefix: str = "") -> None:
@@ -162,7 +215,7 @@ def _verify_arrays(state_dir: Path, prefix: str = "") -> None:
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state_dir.absolute()}/"}).result()
     keys = [k for k in kv.list().result() if k.startswith(prefix.encode())]
     if not keys:
-        raise ValueError(f"{state_dir.name} holds no arrays under '{prefix}'")
+        raise UnreadableCheckpointError(f"{state_dir.name} holds no arrays under '{prefix}'")
     for read in [kv.read(k) for k in keys]:
         read.result()
 
@@ -244,7 +297,9 @@ def restore_latest(
             restored = Restored(step=s, directory=step_dir, state=state, items=meta)
         except ConfigError:
             raise  # the same on every process: it holds another model
-        except Exception as e:  # noqa: BLE001 (any failure to read means: not usable)
+        except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)
+            if not is_storage_error(e):
+                raise  # a bug, not a damaged checkpoint: nothing is skipped or moved
             error = e
         readable = _count_everywhere(restored is not None)
         if readable == jax.process_count():
@@ -265,7 +320,7 @@ def restore_latest(
 def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
-    _check_json_files(step_dir)
+    _check_files(step_dir, names, state=False)
     got = manager.restore(
         step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in names})
     )
@@ -295,6 +350,7 @@ def _read_state(manager, step, step_dir, treedef, items, args, partial: bool) ->
     """The `state` item's arrays (after reading every stored chunk once, see `_verify_arrays`)."""
     import orbax.checkpoint as ocp
 
+    _check_files(step_dir, (), state=True)
     _verify_arrays(step_dir / "state", "params." if partial else "")
     restored = manager.restore(
         step,
@@ -351,10 +407,12 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
         steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
         for s in steps:
             try:
-                _check_json_files(directory / str(s))
+                _check_files(directory / str(s), ("config",), state=False)
                 got = manager.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
                 return s, got["config"]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)
+                if not is_storage_error(e):
+                    raise
                 log.warning("checkpoint %s is unreadable, skipping it (%s)", directory / str(s), e)
     finally:
         manager.close()

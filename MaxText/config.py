@@ -25,7 +25,10 @@ from typing import Any
 
 import yaml
 
+from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
+from MaxText.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values, pipeline_repeats
 from MaxText.stage_balance import parse_stage_layers
+from MaxText.unsupported_keys import UNSUPPORTED, UNSUPPORTED_DECODER_BLOCKS
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -39,6 +42,15 @@ PARALLELISM_KEYS = (
     "ici_pipeline_parallelism",
 )
 
+# ---- MaxText compatibility (names MaxText users type; MaxText/maxtext_compat.py)
+ALIASES.update(MAXTEXT_ALIASES)
+DCN_KEYS = (
+    "dcn_data_parallelism",
+    "dcn_fsdp_parallelism",
+    "dcn_tensor_parallelism",
+    "dcn_pipeline_parallelism",
+)
+MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Config.mesh_<axis>
 # Keys the trainer may resolve itself by planning (MaxText/plan.py) when set to "auto".
 AUTO_KEYS = ("num_pipeline_microbatches",)
 
@@ -46,16 +58,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline_schedule": (*PIPELINE_SCHEDULES, "auto"),
     "gradient_reduction": ("step", "microbatch"),
     "decoder_block": ("llama", "gpt"),
+    "hardware": ("auto", "cpu", "gpu", "gpu_multiprocess"),
+    "opt_type": ("adamw", "adam", "sgd", "adafactor"),
+    "mu_dtype": ("", "float32", "bfloat16"),
     "dtype": ("float32", "bfloat16", "float16"),
     "weight_dtype": ("float32", "bfloat16", "float16"),
     "remat_policy": ("none", "full", "minimal", "save_qkv_proj", "save_dot_except_mlp"),
     "dataset_type": ("text", "synthetic", "tfds", "grain"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk"),
 }
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user can fix; the message is one line."""
 
 
 def _derived(default: Any = None) -> Any:
@@ -88,7 +99,7 @@ class Config:
     num_processes: int
     process_id: int
     # batch and sequence
-    per_device_batch_size: int
+    per_device_batch_size: float
     global_batch_size: int
     max_target_length: int
     # model
@@ -160,11 +171,29 @@ class Config:
     profiler: str
     profiler_steps: int
     skip_first_n_steps_for_profiler: int
+    # MaxText compatibility keys (see configs/base.yml, "MaxText keys")
+    global_parameter_scale: int
+    override_model_config: bool
+    hardware: str
+    dcn_data_parallelism: int
+    dcn_fsdp_parallelism: int
+    dcn_tensor_parallelism: int
+    dcn_pipeline_parallelism: int
+    num_layers_per_pipeline_stage: int
+    init_weights_seed: int
+    opt_type: str
+    mu_dtype: str
+    gradient_accumulation_steps: int
+    metrics_file: str
 
     # ---- derived at load (not keys; never set them in YAML or on the command line)
-    num_devices: int = _derived(1)  # data x fsdp x tensor x pipeline
+    num_devices: int = _derived(1)  # data x fsdp x tensor x pipeline (ici x dcn)
     data_parallel_devices: int = _derived(1)  # data x fsdp: devices the batch is split over
-    num_stages: int = _derived(1)  # pipeline stages = ici_pipeline_parallelism x repeats
+    mesh_data: int = _derived(1)  # mesh axis sizes: ici_<axis>_parallelism x dcn_<axis>_...
+    mesh_fsdp: int = _derived(1)
+    mesh_tensor: int = _derived(1)
+    mesh_pipeline: int = _derived(1)  # pipeline groups
+    num_stages: int = _derived(1)  # pipeline stages = pipeline groups x repeats
     stage_layers: tuple[int, ...] = _derived(())  # decoder layers in each stage
     microbatch_size: int = _derived(1)  # global_batch_size / num_pipeline_microbatches
     # "auto" keys, resolved by the trainer through the planner (MaxText/plan.py); until then the
@@ -177,7 +206,12 @@ class Config:
     # ---- conveniences (pure functions of the fields)
     @property
     def is_pipelined(self) -> bool:
-        return self.ici_pipeline_parallelism > 1
+        return self.mesh_pipeline > 1
+
+    @property
+    def uses_dcn(self) -> bool:
+        """A dcn_*_parallelism > 1: the mesh is a hybrid (ici within, dcn across processes)."""
+        return any(getattr(self, k) > 1 for k in DCN_KEYS)
 
     @property
     def process_index(self) -> int:
@@ -195,16 +229,29 @@ class Config:
         return self.global_batch_size * self.max_target_length
 
     @property
-    def metrics_file(self) -> str:
-        return os.path.join(self.output_dir, "metrics.jsonl")
-
-    @property
     def tensorboard_dir(self) -> str:
         return os.path.join(self.output_dir, "tensorboard")
 
     @property
     def checkpoint_dir(self) -> str:
         return os.path.join(self.output_dir, "checkpoints")
+
+    def device_args(self) -> dict[str, Any]:
+        """Plain keyword values for `MaxText.devices.setup` (which does not import the config)."""
+        parallelism = " ".join(
+            f"{name}={getattr(self, name)}"
+            for name in (*PARALLELISM_KEYS, *DCN_KEYS)
+            if getattr(self, name) > 1
+        )
+        return {
+            "num_devices": self.num_devices,
+            "num_processes": self.num_processes,
+            "coordinator_address": self.coordinator_address,
+            "process_id": self.process_id,
+            "parallelism": parallelism or "this run",
+            "hardware": self.hardware,
+            "attention": self.attention,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """Keys and derived values as plain JSON-friendly Python values."""
@@ -268,8 +315,13 @@ def _field_type(field: dataclasses.Field) -> type:
 
 
 def _suggest(key: str) -> str:
+    """A hint only for a close match (a typo, or the start of a key): a far-off suggestion such
+    as `hardware` -> `adam_eps` sends the user the wrong way."""
     valid = list(key_fields()) + list(ALIASES)
-    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+    if not match and len(key) >= 4:
+        match = [k for k in valid if k.startswith(key)][:2]
+        match = match if len(match) == 1 else []
     return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for valid keys"
 
 
@@ -278,6 +330,8 @@ def _canonical(key: str, source: str) -> str:
     if key in derived_fields():
         raise ConfigError(f"'{key}' ({source}) is derived from other keys and cannot be set")
     if key not in key_fields():
+        if key in UNSUPPORTED:
+            raise ConfigError(f"not supported here: {key} ({source}): {UNSUPPORTED[key]}")
         raise ConfigError(f"unknown config key '{key}' ({source}){_suggest(key)}")
     return key
 
@@ -339,7 +393,7 @@ def _find_preset(name: str, config_path: Path) -> Path:
         if candidate.is_file():
             return candidate
     known = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.yml"))
-    match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     hint = f"did you mean '{match[0]}'?" if match else f"known: {', '.join(known)}"
     raise ConfigError(f"model_name={name}: no configs/models/{name}.yml; {hint}")
 
@@ -376,15 +430,48 @@ def _divisors(n: int) -> str:
     return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
 
 
-def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) -> None:
-    """Fills a -1 parallelism axis with the remaining devices (MaxText's convention)."""
-    for key in PARALLELISM_KEYS:
+def _fill_one(values: dict[str, Any], keys: Sequence[str], total: int, what: str) -> None:
+    """Sets the one -1 among `keys` so that their product is `total` (MaxText's convention)."""
+    for key in keys:
         if values[key] == 0 or values[key] < -1:
             raise ConfigError(f"{key}={values[key]}: must be >= 1 (or -1 for 'the rest')")
-    fill = [k for k in PARALLELISM_KEYS if values[k] == -1]
+    fill = [k for k in keys if values[k] == -1]
     if len(fill) > 1:
         raise ConfigError(f"only one parallelism axis may be -1, got {', '.join(fill)}")
     if not fill:
+        return
+    others = [k for k in keys if k != fill[0]]
+    product = 1
+    for k in others:
+        product *= values[k]
+    if total % product:
+        named = " x ".join(f"{k}={values[k]}" for k in others if values[k] > 1) or "1"
+        raise ConfigError(
+            f"{named} needs a multiple of {product} {what} but {total} {what} are "
+            f"available; use a product that divides {total} ({_divisors(total)})"
+        )
+    values[fill[0]] = total // product
+
+
+def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) -> None:
+    """Fills a -1 parallelism axis with the remaining devices (MaxText's convention).
+
+    Without dcn axes the ici axes span every device of every process. With a dcn_*_parallelism
+    > 1 the dcn axes span the processes (their product is num_processes) and the ici axes the
+    devices of one process, as MaxText's hybrid mesh does across slices.
+    """
+    _fill_one(values, DCN_KEYS, values["num_processes"], "processes")
+    dcn = 1
+    for key in DCN_KEYS:
+        dcn *= values[key]
+    if dcn > 1 and dcn != values["num_processes"]:
+        product = " x ".join(f"{k}={values[k]}" for k in DCN_KEYS if values[k] > 1)
+        raise ConfigError(
+            f"{product} spans {dcn} processes but num_processes={values['num_processes']}; "
+            f"the dcn axes split the processes, so their product must be num_processes"
+        )
+    if all(values[k] != -1 for k in PARALLELISM_KEYS):
+        _fill_one(values, PARALLELISM_KEYS, 1, "devices")  # checks the values only
         return
     if available_devices is None:
         from MaxText import devices  # deferred: probing devices initialises JAX's backends
@@ -392,18 +479,7 @@ def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) 
         available_devices = devices.available_device_count(
             values["coordinator_address"], values["num_processes"], values["process_id"]
         )
-    others = [k for k in PARALLELISM_KEYS if k != fill[0]]
-    product = 1
-    for k in others:
-        product *= values[k]
-    if available_devices % product:
-        named = " x ".join(f"{k}={values[k]}" for k in others if values[k] > 1) or "1"
-        raise ConfigError(
-            f"{named} needs a multiple of {product} devices but {available_devices} devices are "
-            f"available; use a product that divides {available_devices} "
-            f"({_divisors(available_devices)})"
-        )
-    values[fill[0]] = available_devices // product
+    _fill_one(values, PARALLELISM_KEYS, available_devices // dcn, "devices")
 
 
 # ------------------------------------------------------- attention kernel and profiler keys
@@ -440,15 +516,19 @@ def _validate_attention_and_profiler(v: dict[str, Any]) -> None:
 
 def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
     v = values
+    apply_maxtext_values(v)
+    if v["decoder_block"] in UNSUPPORTED_DECODER_BLOCKS:
+        block = v["decoder_block"]
+        raise ConfigError(
+            f"not supported here: decoder_block={block}: {UNSUPPORTED_DECODER_BLOCKS[block]}"
+        )
     for key, choices in CHOICES.items():
         if v[key] not in choices:
-            match = difflib.get_close_matches(str(v[key]), choices, n=1, cutoff=0.5)
+            match = difflib.get_close_matches(str(v[key]), choices, n=1, cutoff=0.75)
             hint = f"did you mean '{match[0]}'? " if match else ""
             raise ConfigError(f"{key}={v[key]} is not one of {' | '.join(choices)}; {hint}".strip())
 
     positive = (
-        "num_pipeline_repeats",
-        "per_device_batch_size",
         "max_target_length",
         "num_decoder_layers",
         "emb_dim",
@@ -460,6 +540,7 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         "num_processes",
         "max_num_checkpoints_to_keep",
         "checkpoint_period",
+        "gradient_accumulation_steps",
     )
     for key in positive:
         if v[key] < 1:
@@ -476,19 +557,32 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
             raise ConfigError(f"{key}={v[key]}: must be between 0 and 1")
     if not 0.0 <= v["eval_split_fraction"] < 1.0:
         raise ConfigError(f"eval_split_fraction={v['eval_split_fraction']}: must be in [0, 1)")
-    if v["num_processes"] > 1 and not v["coordinator_address"]:
+    if v["hardware"] == "gpu_multiprocess" and not v["coordinator_address"]:
+        from MaxText import devices  # deferred: initialises jax.distributed and the backends
+
+        v["num_processes"], v["process_id"] = devices.cluster_process(v["hardware"])
+    elif v["num_processes"] > 1 and not v["coordinator_address"]:
         raise ConfigError(f"num_processes={v['num_processes']} needs coordinator_address=host:port")
     if v["process_id"] >= v["num_processes"]:
         raise ConfigError(
             f"process_id={v['process_id']} must be < num_processes={v['num_processes']}"
         )
+    if v["per_device_batch_size"] <= 0:
+        raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: must be > 0")
     _validate_data(v)
     _resolve_parallelism(v, None)
-    pp = v["ici_pipeline_parallelism"]
-    dp = v["ici_data_parallelism"] * v["ici_fsdp_parallelism"]
-    tp = v["ici_tensor_parallelism"]
+    for axis in MESH_AXES:
+        v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
+    pp = v["mesh_pipeline"]
+    dp = v["mesh_data"] * v["mesh_fsdp"]
+    tp = v["mesh_tensor"]
     v["num_devices"] = dp * tp * pp
     v["data_parallel_devices"] = dp
+    if pp > 1 and any(v[f"dcn_{a}_parallelism"] > 1 for a in ("data", "fsdp", "tensor")):
+        raise ConfigError(
+            "a pipelined run keeps each pipeline group on one process, so dcn_data/fsdp/tensor_"
+            "parallelism must be 1; split the processes with dcn_pipeline_parallelism instead"
+        )
 
     # model shape
     if v["head_dim"] == 0:
@@ -506,16 +600,17 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     for key in ("num_query_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
         if v[key] % tp:
             raise ConfigError(
-                f"{key}={v[key]} is not divisible by ici_tensor_parallelism={tp}; "
+                f"{key}={v[key]} is not divisible by tensor parallelism {tp}; "
                 f"tensor parallelism splits it across devices"
             )
-    if v["emb_dim"] % v["ici_fsdp_parallelism"]:
+    if v["emb_dim"] % v["mesh_fsdp"]:
         raise ConfigError(
-            f"emb_dim={v['emb_dim']} is not divisible by "
-            f"ici_fsdp_parallelism={v['ici_fsdp_parallelism']}; fsdp shards parameters along it"
+            f"emb_dim={v['emb_dim']} is not divisible by fsdp parallelism {v['mesh_fsdp']}; "
+            f"fsdp shards parameters along it"
         )
 
     # pipeline
+    pipeline_repeats(v, pp)
     v["schedule_auto"] = v["pipeline_schedule"] == "auto"
     if v["schedule_auto"]:
         v["pipeline_schedule"] = "1f1b"
@@ -548,14 +643,27 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         v["stage_layers"] = split
     v["pipeline_stage_layers"] = split if isinstance(split, str) else ",".join(map(str, split))
 
-    # batch
+    # batch: per_device_batch_size counts every device (pipeline and tensor included) as in
+    # MaxText; gradient_accumulation_steps multiplies the batch and the number of microbatches
+    ga = v["gradient_accumulation_steps"]
     if v["global_batch_size"] == 0:
-        v["global_batch_size"] = v["per_device_batch_size"] * dp
+        rows = v["per_device_batch_size"] * v["num_devices"] * ga
+        if rows != int(rows):
+            raise ConfigError(
+                f"per_device_batch_size={v['per_device_batch_size']} x {v['num_devices']} devices"
+                f" x gradient_accumulation_steps={ga} = {rows:g} rows is not a whole number; "
+                f"choose per_device_batch_size so that it is (or set global_batch_size)"
+            )
+        v["global_batch_size"] = int(rows)
     if v["num_pipeline_microbatches"] == -1:
         v["num_pipeline_microbatches"] = 2 * pp if pp > 1 else 1
+    if v["num_pipeline_microbatches"] < 1:
+        raise ConfigError(
+            f"num_pipeline_microbatches={v['num_pipeline_microbatches']}: must be >= 1 "
+            f"(or -1 for automatic)"
+        )
+    v["num_pipeline_microbatches"] *= ga
     m = v["num_pipeline_microbatches"]
-    if m < 1:
-        raise ConfigError(f"num_pipeline_microbatches={m}: must be >= 1 (or -1 for automatic)")
     if v["global_batch_size"] % (m * dp):
         raise ConfigError(
             f"global_batch_size={v['global_batch_size']} is not divisible by "
@@ -595,7 +703,11 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     if "/" in v["run_name"]:
         raise ConfigError(f"run_name={v['run_name']} must not contain '/'")
     v["output_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
+    v["metrics_file"] = v["metrics_file"] or os.path.join(v["output_dir"], "metrics.jsonl")
     v["config_path"] = str(config_path)
+    if v["init_weights_seed"] == -1:
+        v["init_weights_seed"] = v["seed"]
+    v["mu_dtype"] = v["mu_dtype"] or v["weight_dtype"]
     return v
 
 

@@ -5,6 +5,10 @@ therefore run before anything touches a device: it starts `jax.distributed` when
 for several processes, and on a host without an accelerator it asks XLA for as many CPU devices as
 the parallelism needs (`jax_num_cpu_devices`) and logs one line saying so. On a GPU host that has
 too few devices it fails with a clear message instead.
+
+This module takes plain values (device counts, the coordinator's address), never the `Config`:
+`config.py` calls `available_device_count` to resolve a `-1` parallelism axis, and callers pass
+`**config.device_args()` to `setup`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import re
 
 import jax
 
-from MaxText.config import Config, ConfigError
+from MaxText.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,24 @@ def available_device_count(coordinator_address: str, num_processes: int, process
     return jax.device_count()
 
 
+def cluster_process(hardware: str) -> tuple[int, int]:
+    """(num_processes, process_id) for `hardware=gpu_multiprocess` without a coordinator_address:
+    `jax.distributed.initialize()` finds the cluster (SLURM, Open MPI, Kubernetes, ...) itself,
+    as in MaxText. Raises ConfigError with one line when no cluster environment is found."""
+    assert hardware == "gpu_multiprocess", hardware
+    if not jax.distributed.is_initialized():
+        try:
+            jax.distributed.initialize()
+        except (ValueError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"hardware=gpu_multiprocess found no cluster environment ({first}); start one "
+                f"process per GPU under SLURM/Open MPI, or set coordinator_address=host:port "
+                f"num_processes=N process_id=I"
+            ) from None
+    return jax.process_count(), jax.process_index()
+
+
 def _requested_cpu_devices() -> int:
     """CPU devices JAX will create: jax_num_cpu_devices, else XLA_FLAGS, else 1."""
     configured = jax.config.jax_num_cpu_devices
@@ -52,27 +74,58 @@ def _accelerator_expected() -> bool:
     return bool(platforms) and "cpu" not in platforms.split(",")[:1]
 
 
-def setup(config: Config) -> list[jax.Device]:
-    """Makes `config.num_devices` devices available and returns them (first ones, in order)."""
-    needed = config.num_devices
-    per_process = -(-needed // config.num_processes)
+def setup(
+    num_devices: int,
+    *,
+    num_processes: int = 1,
+    coordinator_address: str = "",
+    process_id: int = 0,
+    parallelism: str = "this run",
+    hardware: str = "auto",
+    attention: str = "dot_product",
+) -> list[jax.Device]:
+    """Makes `num_devices` devices available and returns them (first ones, in order; under several
+    processes the same number from every process, so a pipeline group stays on one process).
+
+    `parallelism` names what needs the devices in error messages (e.g. "ici_fsdp_parallelism=4").
+    `hardware` (MaxText's key): `cpu` runs on CPU devices even on a GPU host; `gpu` and
+    `gpu_multiprocess` require GPU devices (one line, exit 2, if JAX finds none); `auto` takes
+    what JAX finds (the default). `attention=cudnn_flash` requires a GPU too.
+    """
+    needed = num_devices
+    per_process = -(-needed // num_processes)
     emulating = False
-    if per_process > _requested_cpu_devices() and not _accelerator_expected():
+    if hardware == "cpu":
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:  # backends already initialised: checked below
+            pass
+    accelerator = _accelerator_expected() or hardware in ("gpu", "gpu_multiprocess")
+    if per_process > _requested_cpu_devices() and not accelerator:
         # Only the CPU backend reads these; on a GPU host they change nothing.
         try:
             jax.config.update("jax_num_cpu_devices", per_process)
             emulating = True
         except RuntimeError:  # backends already initialised: check below what we have
             pass
-    if config.num_processes > 1 and not _accelerator_expected():
+    if num_processes > 1 and not accelerator:
         try:  # cross-process collectives on CPU go through gloo (NCCL on GPU needs nothing)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except RuntimeError:
             pass
-    _distributed_initialize(config.coordinator_address, config.num_processes, config.process_id)
+    _distributed_initialize(coordinator_address, num_processes, process_id)
     devices = jax.devices()
     platform = devices[0].platform
-    if config.attention == "cudnn_flash" and platform != "gpu":
+    if hardware in ("gpu", "gpu_multiprocess") and platform != "gpu":
+        raise ConfigError(
+            f"hardware={hardware} but JAX finds no GPU (its devices are {platform.upper()}); "
+            f"run ./setup.sh on the GPU host (it installs jax[cuda12]), or use hardware=cpu"
+        )
+    if hardware == "cpu" and platform != "cpu":
+        raise ConfigError(
+            f"hardware=cpu but JAX already started on {platform.upper()}; start a fresh process"
+        )
+    if attention == "cudnn_flash" and platform != "gpu":
         raise ConfigError(
             f"attention=cudnn_flash needs a GPU (cuDNN) but this host runs on {platform.upper()}; "
             f"use attention=autoselected, dot_product or chunked"
@@ -80,42 +133,23 @@ def setup(config: Config) -> list[jax.Device]:
     if platform == "cpu":
         if len(devices) < needed:
             raise ConfigError(
-                f"{_parallelism(config)} needs {needed} devices but JAX already started with "
+                f"{parallelism} needs {needed} devices but JAX already started with "
                 f"{len(devices)} CPU devices; start a fresh process (or set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={needed})"
             )
         if needed > 1:
             how = "emulating" if emulating else "using"
             log.info(
-                "%s %d CPU devices for %s (this host has no accelerator)",
-                how,
-                needed,
-                _parallelism(config),
+                "%s %d CPU devices for %s (this host has no accelerator)", how, needed, parallelism
             )
     elif len(devices) < needed:
         raise ConfigError(
-            f"{_parallelism(config)} needs {needed} devices but this host has {len(devices)} "
+            f"{parallelism} needs {needed} devices but this host has {len(devices)} "
             f"{platform.upper()} devices; reduce the parallelism or set one axis to -1"
         )
     elif len(devices) > needed:
         log.info("using %d of %d %s devices", needed, len(devices), platform.upper())
-    if config.num_processes > 1:  # the same number from every process, so groups stay on one
-        by_process = [
-            [d for d in devices if d.process_index == p] for p in range(config.num_processes)
-        ]
+    if num_processes > 1:
+        by_process = [[d for d in devices if d.process_index == p] for p in range(num_processes)]
         return [d for local in by_process for d in local[:per_process]][:needed]
     return devices[:needed]
-
-
-def _parallelism(config: Config) -> str:
-    parts = [
-        f"{name}={getattr(config, name)}"
-        for name in (
-            "ici_data_parallelism",
-            "ici_fsdp_parallelism",
-            "ici_tensor_parallelism",
-            "ici_pipeline_parallelism",
-        )
-        if getattr(config, name) > 1
-    ]
-    return " ".join(parts) or "this run"

@@ -65,6 +65,13 @@ ONE_DEVICE = {
     "ici_fsdp_parallelism": 1,
     "ici_tensor_parallelism": 1,
     "ici_pipeline_parallelism": 1,
+    "dcn_data_parallelism": 1,
+    "dcn_fsdp_parallelism": 1,
+    "dcn_tensor_parallelism": 1,
+    "dcn_pipeline_parallelism": 1,
+    "num_layers_per_pipeline_stage": 0,
+    "gradient_accumulation_steps": 1,
+    "global_parameter_scale": 1,  # the checkpoint's model keys are already scaled
     "num_pipeline_repeats": 1,
     "num_pipeline_microbatches": 1,
     "global_batch_size": 0,
@@ -166,7 +173,7 @@ def main(argv: Sequence[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
         config, source = generation_config(argv)
-        devices.setup(config)
+        devices.setup(**config.device_args())
         from MaxText.data import make_data
 
         tokenizer = make_data(config).tokenizer

@@ -1,14 +1,18 @@
 """Where training metrics go: the console line, metrics.jsonl, TensorBoard and the progress bar.
 
-One `MetricsLogger` per run. `write(record)` takes one dict per logged step and
+One `MetricsLogger` per run. `step_line(...)` prints MaxText's parsable line after every step:
+`completed step: 7, seconds: 0.312, TFLOP/s/device: 0.043, Tokens/s/device: 6563.103,
+total_weights: 2048, loss: 5.432`. `write(record)` takes one dict per logged step and
 
 - prints `step 10/600 | loss 5.4321 | 0.312 s/step | 6,563 tokens/s/device | 0.043 TFLOP/s/device
   | MFU 10.3% (CPU estimate) | lr 3.00e-03 | grad_norm 0.830` (plus `eval_loss` when evaluated);
 - appends the record as one JSON object to `{base_output_directory}/{run_name}/metrics.jsonl`
   (keys: step, loss, step_time_s, tokens_per_s_per_device, tflops_per_s_per_device, mfu,
-  grad_norm, learning_rate, tokens, and eval_loss / eval_batches when evaluated);
+  grad_norm (after clipping), raw_grad_norm (before), learning_rate, total_weights (counted target
+  tokens; also under its old name `tokens`), and eval_loss / eval_batches when evaluated);
 - adds the scalars to TensorBoard event files under `.../tensorboard` (tensorboardX), named like
-  MaxText's: learning/loss, learning/grad_norm, learning/current_learning_rate,
+  MaxText's: learning/loss, learning/grad_norm, learning/raw_grad_norm, learning/total_weights,
+  learning/current_learning_rate,
   perf/step_time_seconds, perf/per_device_tokens_per_sec, perf/per_device_tflops_per_sec, perf/mfu,
   eval/avg_loss.
 
@@ -31,6 +35,8 @@ from MaxText.config import Config
 TENSORBOARD_NAMES = {
     "loss": "learning/loss",
     "grad_norm": "learning/grad_norm",
+    "raw_grad_norm": "learning/raw_grad_norm",
+    "total_weights": "learning/total_weights",
     "learning_rate": "learning/current_learning_rate",
     "step_time_s": "perf/step_time_seconds",
     "tokens_per_s_per_device": "perf/per_device_tokens_per_sec",
@@ -38,6 +44,17 @@ TENSORBOARD_NAMES = {
     "mfu": "perf/mfu",
     "eval_loss": "eval/avg_loss",
 }
+
+
+def maxtext_step_line(
+    step: int, seconds: float, tflops: float, tokens_per_s: float, total_weights: float, loss: float
+) -> str:
+    """MaxText's per-step line (the same fields, order and format), parsable by its tools."""
+    weights = int(total_weights) if float(total_weights).is_integer() else total_weights
+    return (
+        f"completed step: {step}, seconds: {seconds:.3f}, TFLOP/s/device: {tflops:.3f}, "
+        f"Tokens/s/device: {tokens_per_s:.3f}, total_weights: {weights}, loss: {loss:.3f}"
+    )
 
 
 def format_line(record: dict[str, Any], total_steps: int, mfu_estimate: bool) -> str:
@@ -65,6 +82,8 @@ class MetricsLogger:
         # under several processes every process computes the same records; process 0 writes them
         self._writer = config.process_id == 0
         os.makedirs(config.output_dir, exist_ok=True)
+        if self._writer:
+            os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
         self._jsonl = (
             open(config.metrics_file, "a", buffering=1)  # noqa: SIM115 (closed in close)
             if self._writer
@@ -98,6 +117,10 @@ class MetricsLogger:
     def advance(self, step: int, loss: float) -> None:
         self._bar.update(step - self._bar.n)
         self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def step_line(self, *fields: Any) -> None:
+        """MaxText's `completed step: ...` line (see `maxtext_step_line`), every step."""
+        self.info(maxtext_step_line(*fields))
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (float(v) if isinstance(v, float) else v) for k, v in record.items()}

@@ -132,6 +132,8 @@ def canonical_init_config(config: Config) -> Config:
         scan_layers=True,
         remat_policy="none",
         ici_pipeline_parallelism=1,
+        dcn_pipeline_parallelism=1,
+        mesh_pipeline=1,
         num_pipeline_repeats=1,
         num_stages=1,
         stage_layers=(config.num_decoder_layers,),

@@ -576,7 +576,7 @@ def main(argv=None) -> int:
 
     try:
         config = load_config(rest)
-        devices.setup(config)
+        devices.setup(**config.device_args())
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -57,23 +57,37 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
 BATCH_LOGICAL_AXES = ("activation_batch", "activation_length")
 
 
+def mesh_device_array(config: Config, devices: Sequence[Any]) -> np.ndarray:
+    """The devices of `make_mesh` as an array of the mesh's shape (any objects with
+    `process_index`, so the layout can be checked without real devices).
+
+    Each axis has size ici x dcn. Without dcn axes the devices (ordered by process) are reshaped
+    in order. With a dcn_*_parallelism > 1, JAX's hybrid mesh (`create_hybrid_device_mesh`,
+    processes as the outer granules, as MaxText does across slices): along each axis the dcn
+    index is the outer one, so an axis with dcn 1 never leaves a process.
+    """
+    ici = [config.ici_data_parallelism, config.ici_fsdp_parallelism, config.ici_tensor_parallelism]
+    dcn = [config.dcn_data_parallelism, config.dcn_fsdp_parallelism, config.dcn_tensor_parallelism]
+    if config.is_pipelined:
+        ici.insert(0, config.ici_pipeline_parallelism)
+        dcn.insert(0, config.dcn_pipeline_parallelism)
+    shape = [i * d for i, d in zip(ici, dcn, strict=True)]
+    if not config.uses_dcn:
+        return np.asarray(devices, dtype=object).reshape(shape)
+    from jax.experimental import mesh_utils
+
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, list(devices), process_is_granule=True)
+
+
 def make_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
     """The device mesh for `config` over exactly `config.num_devices` devices.
 
     Pipelined: ("stage", "data", "fsdp", "tensor"), stage outermost so each pipeline group is a
-    contiguous block of devices. Otherwise ("data", "fsdp", "tensor").
+    contiguous block of devices (on one process). Otherwise ("data", "fsdp", "tensor").
     """
     assert len(devices) == config.num_devices, (len(devices), config.num_devices)
-    spmd_shape = (
-        config.ici_data_parallelism,
-        config.ici_fsdp_parallelism,
-        config.ici_tensor_parallelism,
-    )
-    if config.is_pipelined:
-        shape, names = (config.ici_pipeline_parallelism, *spmd_shape), PIPELINE_AXES
-    else:
-        shape, names = spmd_shape, SPMD_AXES
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape), names)
+    names = PIPELINE_AXES if config.is_pipelined else SPMD_AXES
+    return Mesh(mesh_device_array(config, devices), names)
 
 
 def make_mpmd_mesh(mesh: Mesh):

@@ -7,10 +7,11 @@ Order: config -> devices (emulated CPU devices if needed) -> mesh -> data -> mod
 
 The loop dispatches step N+1 before reading step N's metrics back, so the host prepares the next
 batch while the devices work; step time is the interval between consecutive step completions.
-Every `log_period` steps (and at evaluations and the last step) it logs a line and a metrics.jsonl
-record; every `eval_interval` steps and at the end it evaluates on the held-out split; a NaN or
-infinite loss aborts with the step number (exit code 1). Config and data-setting errors exit with
-code 2 and one line.
+Every step prints MaxText's line `completed step: N, seconds: S, TFLOP/s/device: T,
+Tokens/s/device: K, total_weights: W, loss: L`. Every `log_period` steps (and at evaluations and
+the last step) it logs a richer line and a metrics.jsonl record; every `eval_interval` steps and
+at the end it evaluates on the held-out split; a NaN or infinite loss aborts with the step number
+(exit code 1). Config and data-setting errors exit with code 2 and one line.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         nonlocal t_done, last, measured_peaks
         values = _scalars(metrics)  # blocks until `step` has finished
         now = time.perf_counter()
-        window.append(now - t_done)
+        seconds = now - t_done
+        window.append(seconds)
         t_done = now
         if not math.isfinite(values["loss"]):
             raise TrainingDivergedError(
@@ -111,6 +113,14 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
                 f"(try a lower learning_rate or a gradient_clipping_threshold)"
             )
         logger.advance(step, values["loss"])
+        logger.step_line(
+            step,
+            seconds,
+            tflops_per_device / seconds,
+            config.tokens_per_step / seconds / config.num_devices,
+            values["tokens"],
+            values["loss"],
+        )
         record: dict[str, Any] = {}
         if evaluate_now:
             eval_loss, n = evaluate(
@@ -129,7 +139,9 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
                 "tflops_per_s_per_device": achieved,
                 "mfu": flops.mfu(achieved, peak),
                 "grad_norm": values["grad_norm"],
+                "raw_grad_norm": values["raw_grad_norm"],
                 "learning_rate": values["learning_rate"],
+                "total_weights": values["tokens"],
                 "tokens": values["tokens"],
                 **record,
             }
@@ -190,7 +202,7 @@ def main(argv: Sequence[str]) -> int:
     _setup_logging()
     try:
         config = load_config(argv)
-        devs = devices.setup(config)
+        devs = devices.setup(**config.device_args())
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

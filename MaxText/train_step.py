@@ -18,10 +18,12 @@ The step is a pure function `(state, batch) -> (state, metrics)`:
    gradients those of the full batch whatever M is;
 3. gradients are clipped by global norm and applied with AdamW (`MaxText/optimizer.py`).
 
-Metrics: `loss` (mean over counted tokens), `grad_norm` (before clipping), `learning_rate` (the rate
-this step applied), `tokens` (counted target tokens).
+Metrics (MaxText's names): `loss` (mean over counted tokens), `raw_grad_norm` (before clipping),
+`grad_norm` (after clipping: min(raw, gradient_clipping_threshold), the norm clip_by_global_norm
+leaves), `learning_rate` (the rate this step applied), `tokens` (counted target tokens, MaxText's
+`total_weights`).
 
-SPMD (`ici_pipeline_parallelism=1`): `jax.jit` with in/out shardings from the logical-axis rules.
+SPMD (one pipeline group): `jax.jit` with in/out shardings from the logical-axis rules.
 Pipelined: the same function under `jaxpp.mpmd_jit_with_loop` on `MpmdMesh(mesh, "stage")`, with the
 same rules giving the PartitionSpecs over the non-stage axes, and the schedule from
 `pipeline_schedule`.
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 BATCH_KEYS = ("inputs", "targets", "targets_mask")
 # Packed rows (dataset_type=grain, packing=true) add per-document segment ids and positions.
 PACKED_BATCH_KEYS = (*BATCH_KEYS, "inputs_segmentation", "inputs_position")
-METRIC_KEYS = ("loss", "grad_norm", "learning_rate", "tokens")
+METRIC_KEYS = ("loss", "grad_norm", "raw_grad_norm", "learning_rate", "tokens")
 
 
 def split_microbatches(x_BxL, num_microbatches: int):
@@ -117,9 +119,12 @@ def make_train_step(
             "params": optax.apply_updates(params, updates),
             "opt_state": opt_state,
         }
+        raw_grad_norm = optax.tree.norm(grads)
+        threshold = config.gradient_clipping_threshold
         metrics = {
             "loss": loss_sum / count,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": jnp.minimum(raw_grad_norm, threshold) if threshold > 0 else raw_grad_norm,
+            "raw_grad_norm": raw_grad_norm,
             "learning_rate": jnp.asarray(lr_schedule(state["step"]), jnp.float32),
             "tokens": count,
         }
@@ -238,7 +243,8 @@ def init_compiler_options(mesh: Mesh) -> dict:
 
 
 def _init_on(mesh: Mesh, config, model, optimizer, specs):
-    """(init_state(), shardings): a fresh state from `config.seed`, sharded over `mesh`.
+    """(init_state(), shardings): a fresh state from `config.init_weights_seed`, sharded over
+    `mesh`.
 
     Two programs: `canonical_init` (every layer stacked; the same program whatever the layer
     layout, so the same values), then the state in this layout's tree built from it."""
@@ -257,7 +263,7 @@ def _init_on(mesh: Mesh, config, model, optimizer, specs):
     compiled = []
 
     def init_state():
-        rng = jax.random.key(config.seed)
+        rng = jax.random.key(config.init_weights_seed)
         if not compiled:
             options = init_compiler_options(mesh)
             compiled.append(canonical_jit.lower(rng).compile(compiler_options=options))
@@ -350,9 +356,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     from jaxpp_integration.schedules import schedule_from_name
 
     mpmd_mesh = sharding.make_mpmd_mesh(mesh)
-    schedule = schedule_from_name(
-        config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
-    )
+    schedule = schedule_from_name(config.pipeline_schedule, config.num_stages, config.mesh_pipeline)
     # The state is initialised on this process's first pipeline group (every process makes the
     # same values from the seed); the first step moves each stage's share to its group and every
     # later step reuses the outputs where they live.

@@ -81,7 +81,7 @@ def measure(layout: list[str], extra: list[str], repeats: int, workdir: Path) ->
         )
 
     config = config_for("bench", True)
-    mesh = sharding.make_mesh(config, devices.setup(config))
+    mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
     t0 = time.perf_counter()
     trainer = build_trainer(config, mesh)
     compile_s = time.perf_counter() - t0

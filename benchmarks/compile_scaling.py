@@ -77,7 +77,7 @@ def measure_one(layers: int, variant: str) -> dict:
     argv = ["configs/base.yml", f"num_decoder_layers={layers}", *COMMON, *VARIANTS[variant]]
     try:
         config = load_config(argv)
-        devs = devices.setup(config)
+        devs = devices.setup(**config.device_args())
     except ConfigError as e:
         return {"error": str(e).splitlines()[0]}
     mesh = sharding.make_mesh(config, devs)

@@ -94,7 +94,9 @@ def trainer_tokens_per_s(steps: int) -> dict:
     from MaxText.train_step import build_trainer
 
     config = small_config()
-    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    trainer = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
     batch = trainer.put_batch(next(make_data(config).train))
     state = trainer.init_state()
     for _ in range(2):

@@ -119,7 +119,7 @@ def main() -> None:
             *args.overrides,
         ]
     )
-    devs = devices.setup(config)
+    devs = devices.setup(**config.device_args())
     mesh = sharding.make_mesh(config, devs)
     if config.is_pipelined or mesh.devices.size != 1:
         sys.exit("this benchmark compares single-device SPMD steps: use a 1-device config")

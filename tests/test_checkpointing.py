@@ -186,6 +186,62 @@ def test_truncated_latest_checkpoint_falls_back(spmd_full, tmp_path, logs, capfd
     assert complete_steps(tmp_path / "run") == [10, 15, 20]
 
 
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path -> bytes): a listing and contents together."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["read_state", "orbax_restore", "check_model"])
+def test_a_bug_in_restore_propagates_and_moves_nothing(spmd_full, tmp_path, monkeypatch, where):
+    """A programming error while restoring (here a TypeError put into our read, into orbax's
+    restore, or into the model check) is not a damaged checkpoint: it reaches the caller with its
+    traceback, and every checkpoint folder stays exactly as it was (nothing quarantined)."""
+    import orbax.checkpoint as ocp
+
+    full_dir, _ = spmd_full
+    shutil.copytree(full_dir / "full" / "checkpoints", tmp_path / "run" / "checkpoints")
+    before = _snapshot(tmp_path / "run")
+
+    def bug(*args, **kwargs):
+        raise TypeError("a bug in the restore path")
+
+    target = {
+        "read_state": (checkpointing, "_read_state"),
+        "orbax_restore": (ocp.CheckpointManager, "restore"),
+        "check_model": (checkpointing, "_check_model"),
+    }[where]
+    monkeypatch.setattr(*target, bug)
+    with pytest.raises(TypeError, match="a bug in the restore path"):
+        main(argv(tmp_path, "run", "steps=20"))
+    assert not (tmp_path / "run" / checkpointing.CORRUPT_DIR).exists()
+    assert _snapshot(tmp_path / "run") == before
+
+
+def test_storage_errors_are_told_from_bugs():
+    """The classification `restore_latest` relies on, on the errors measured for real damage
+    (truncated data file, missing/garbled OCDBT file, missing metadata) and on bugs."""
+    tensorstore_read = ValueError('FAILED_PRECONDITION: Error reading "params.x/0" in OCDBT')
+    wrapped = Exception("Encountered error while reading array index")  # orbax's wrapper
+    wrapped.__cause__ = tensorstore_read
+    storage = [
+        ValueError("OUT_OF_RANGE: Requested byte range [0, 9) is not valid for value of size 4"),
+        ValueError('DATA_LOSS: Error decoding local file "manifest.ocdbt"'),
+        wrapped,
+        FileNotFoundError("config/metadata not found"),
+        json.JSONDecodeError("Expecting value", "{", 1),
+        checkpointing.UnreadableCheckpointError("state/_METADATA is missing"),
+    ]
+    bugs = [
+        TypeError("unsupported operand"),
+        AttributeError("no attribute"),
+        KeyError("state"),
+        ValueError("pytree structure error: different types at key path"),
+        ValueError("INVALID_ARGUMENT: rank mismatch"),  # wrong arguments: the caller's bug
+    ]
+    assert [checkpointing.is_storage_error(e) for e in storage] == [True] * len(storage)
+    assert [checkpointing.is_storage_error(e) for e in bugs] == [False] * len(bugs)
+
+
 def test_truncated_metadata_file_falls_back(spmd_full, tmp_path, logs):
     """orbax reads past a truncated _CHECKPOINT_METADATA; we still treat the checkpoint as bad."""
     full_dir, _ = spmd_full
@@ -193,7 +249,9 @@ def test_truncated_metadata_file_falls_back(spmd_full, tmp_path, logs):
     meta = tmp_path / "run" / "checkpoints" / "20" / "_CHECKPOINT_METADATA"
     meta.write_text(meta.read_text()[:40])
     config = load_config(argv(tmp_path, "run", "steps=20"))
-    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    trainer = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
     ckpt = checkpointing.Checkpoints(config, trainer)
     try:
         state = ckpt.restore_or_init(make_data(config))
@@ -207,7 +265,9 @@ def test_load_parameters_path_starts_a_new_run(spmd_full, tmp_path, logs):
     full_dir, _ = spmd_full
     src = full_dir / "full" / "checkpoints"
     config = load_config(argv(tmp_path, "new", "steps=20", f"load_parameters_path={src}"))
-    trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    trainer = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
     abstract = trainer.abstract_state["params"]
     for path, want_step in ((src, 20), (src / "15", 15)):
         ckpt = checkpointing.Checkpoints(

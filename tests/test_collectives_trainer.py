@@ -37,7 +37,9 @@ def _trainer(tmp_path, m, mode, *extra):
             f"base_output_directory={tmp_path}",
         ]
     )
-    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    return config, build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
 
 
 def _losses(config, trainer, steps=2):

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from MaxText.config import (
+    ALIASES,
     CONFIGS_DIR,
     Config,
     ConfigError,
@@ -52,7 +53,7 @@ def test_every_preset_loads_and_applies(name):
 
 def test_every_yaml_under_configs_is_valid():
     """No YAML under configs/ holds an unknown key (presets are checked by loading them)."""
-    valid = set(key_fields()) | {"base_config", "pipeline_parallelism"}
+    valid = set(key_fields()) | {"base_config"} | set(ALIASES)
     for path in CONFIGS_DIR.rglob("*.yml"):
         keys = set(yaml.safe_load(path.read_text()) or {})
         assert keys <= valid, (path, keys - valid)
@@ -62,8 +63,11 @@ def test_base_defaults_are_the_tiny_cpu_run():
     c = load()
     assert (c.model_name, c.dataset_type, c.decoder_block) == ("tiny", "text", "llama")
     assert c.num_devices == 1 and c.num_stages == 1 and c.stage_layers == (4,)
-    assert c.global_batch_size == c.per_device_batch_size == 16
-    assert c.num_pipeline_microbatches == 1 and c.microbatch_size == 16
+    assert c.global_batch_size == c.per_device_batch_size == 4
+    assert c.num_pipeline_microbatches == 1 and c.microbatch_size == 4
+    assert c.enable_checkpointing and c.checkpoint_period == 100  # MaxText's default: on
+    assert c.max_num_checkpoints_to_keep == 3
+    assert c.metrics_file == os.path.join(c.output_dir, "metrics.jsonl")
     assert c.learning_rate_schedule_steps == c.steps
     assert c.run_name.startswith("tiny_") and c.output_dir.endswith(c.run_name)
 
@@ -94,7 +98,7 @@ def test_pipeline_alias_and_derived_layout():
     assert c.ici_pipeline_parallelism == 4 and c.num_devices == 4 and c.num_stages == 4
     assert c.stage_layers == (2, 2, 2, 1)
     assert c.num_pipeline_microbatches == 8 and c.microbatch_size == 2  # -1 -> 2 x stages
-    assert c.global_batch_size == 16  # one data-parallel device: per_device_batch_size
+    assert c.global_batch_size == 16  # per_device_batch_size (4) x 4 devices, stages included
     c = load(
         "pipeline_parallelism=2", "num_pipeline_repeats=2", "pipeline_schedule=interleaved_1f1b"
     )
@@ -103,7 +107,7 @@ def test_pipeline_alias_and_derived_layout():
 
 def test_global_batch_size_derivation():
     c = load("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
-    assert c.num_devices == 8 and c.data_parallel_devices == 4 and c.global_batch_size == 64
+    assert c.num_devices == 8 and c.data_parallel_devices == 4 and c.global_batch_size == 32
     c = load("ici_data_parallelism=2", "global_batch_size=8", "num_pipeline_microbatches=4")
     assert (c.global_batch_size, c.microbatch_size) == (8, 2)
 
@@ -140,7 +144,12 @@ ERRORS = {
     ),
     "microbatches": (
         ["num_pipeline_microbatches=3"],
-        "global_batch_size=16 is not divisible by num_pipeline_microbatches=3",
+        "global_batch_size=4 is not divisible by num_pipeline_microbatches=3",
+    ),
+    "maxtext key not supported": (
+        ["ici_expert_parallelism=2"],
+        "not supported here: ici_expert_parallelism (command line): there are no "
+        "mixture-of-experts layers here",
     ),
 }
 
@@ -216,3 +225,250 @@ def test_train_py_exits_2_with_one_line(case, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("config error: ") and fragment in lines[0]
     assert not list(tmp_path.iterdir())  # nothing written for a config error
+
+
+def _maxtext_imports(path: Path) -> set[str]:
+    """MaxText modules `path` imports anywhere (top level or inside functions)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return {n.split(".")[1] for n in names if n.startswith("MaxText.") and n.count(".") >= 1}
+
+
+def test_no_import_cycles_in_maxtext():
+    """config.py and devices.py imported each other (#11 defect 10); no module pair may."""
+    modules = {p.stem: p for p in (REPO / "MaxText").glob("*.py") if p.stem != "__init__"}
+    graph = {m: _maxtext_imports(p) & set(modules) - {m} for m, p in modules.items()}
+    cycles = []
+
+    def visit(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt == path[0]:
+                cycles.append(" -> ".join([*path, nxt]))
+            elif nxt not in path and nxt > path[0]:  # report each cycle once, from its least node
+                visit(nxt, [*path, nxt])
+
+    for m in sorted(graph):
+        visit(m, [m])
+    assert not cycles, cycles
+    assert "devices" in graph["config"] and "config" not in graph["devices"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # a typo of a key, or the start of one: a suggestion
+        (
+            "num_decoder_layer=2",
+            "unknown config key 'num_decoder_layer' (command line); did you "
+            "mean 'num_decoder_layers'?",
+        ),
+        ("learning_rat=0.1", "did you mean 'learning_rate'?"),
+        ("remat=full", "did you mean 'remat_policy'?"),
+        # nothing close: no suggestion (was: colour -> 'vocab_size'-like guesses at cutoff 0.5)
+        (
+            "colour=blue",
+            "unknown config key 'colour' (command line); see configs/base.yml for valid keys",
+        ),
+        (
+            "optimizer_name=adam",
+            "unknown config key 'optimizer_name' (command line); see "
+            "configs/base.yml for valid keys",
+        ),
+        # a MaxText key this trainer does not implement: why, never a suggestion
+        (
+            "quantization=int8",
+            "not supported here: quantization (command line): quantization "
+            "(AQT/Qwix/fp8) is not implemented; use dtype=bfloat16",
+        ),
+        (
+            "lr_schedule_type=wsd",
+            "not supported here: lr_schedule_type (command line): the "
+            "schedule is linear warmup then cosine decay (then 0)",
+        ),
+        ("dcn_expert_parallelism=2", "not supported here: dcn_expert_parallelism"),
+        (
+            "decoder_block=mixtral",
+            "not supported here: decoder_block=mixtral: "
+            "mixture-of-experts blocks are not implemented",
+        ),
+    ],
+)
+def test_hints_only_for_close_matches_and_unsupported_maxtext_keys(override, message):
+    with pytest.raises(ConfigError) as info:
+        load(override)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert ("did you mean" in str(info.value)) == ("did you mean" in message), str(info.value)
+
+
+def test_unsupported_maxtext_keys_say_why_in_yaml_too(tmp_path):
+    from MaxText.unsupported_keys import UNSUPPORTED
+
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE}\nenable_dropout: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config([str(mine)])
+    assert str(info.value) == (
+        f"not supported here: enable_dropout ({mine}): "
+        "dropout is not implemented (training is deterministic)"
+    )
+    for key in UNSUPPORTED:  # every entry is a one-line reason and not one of our keys
+        assert UNSUPPORTED[key] and "\n" not in UNSUPPORTED[key]
+        with pytest.raises(ConfigError, match=f"^not supported here: {key} "):
+            load(f"{key}=1")
+
+
+# ------------------------------------------------------------------ MaxText keys and semantics
+
+BASE_MODEL = [
+    "base_emb_dim=64",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "base_mlp_dim=96",
+    "base_num_decoder_layers=2",
+    "head_dim=16",
+]
+
+
+@pytest.mark.parametrize(
+    "scale, expected",
+    [
+        # (emb_dim, query heads, kv heads, mlp_dim, layers), by hand from MaxText's rule: log2 of
+        # the scale doubles heads+mlp, then emb, then layers, in turn
+        (1, (64, 4, 2, 96, 2)),
+        (2, (64, 8, 4, 192, 2)),
+        (4, (128, 8, 4, 192, 2)),
+        (8, (128, 8, 4, 192, 4)),
+        (16, (128, 16, 8, 384, 4)),
+    ],
+)
+def test_base_model_keys_and_global_parameter_scale(scale, expected):
+    c = load(*BASE_MODEL, f"global_parameter_scale={scale}")
+    got = (c.emb_dim, c.num_query_heads, c.num_kv_heads, c.mlp_dim, c.num_decoder_layers)
+    assert got == expected and c.head_dim == 16
+
+
+def test_base_model_key_errors():
+    with pytest.raises(ConfigError, match="global_parameter_scale=3 must be a power of 2"):
+        load("global_parameter_scale=3")
+    with pytest.raises(ConfigError, match="emb_dim and base_emb_dim are the same key and disagree"):
+        load("emb_dim=64", "base_emb_dim=32")
+
+
+def test_maxtext_decoder_block_names():
+    assert load("decoder_block=llama2").decoder_block == "llama"
+    assert load("decoder_block=mistral").decoder_block == "llama"
+    assert load("decoder_block=gpt3").decoder_block == "gpt"
+
+
+def test_hardware_values():
+    assert load("hardware=cpu").hardware == "cpu"
+    with pytest.raises(ConfigError, match="^not supported here: hardware=tpu: "):
+        load("hardware=tpu")
+    with pytest.raises(ConfigError, match="hardware=gpu_multiprocess found no cluster environment"):
+        load("hardware=gpu_multiprocess")
+
+
+def test_per_device_batch_size_counts_every_device():
+    """MaxText: global batch = per_device_batch_size x all devices x gradient accumulation."""
+    assert load("pipeline_parallelism=4").global_batch_size == 4 * 4
+    assert load("ici_tensor_parallelism=2", "num_kv_heads=2").global_batch_size == 4 * 2
+    c = load("pipeline_parallelism=4", "per_device_batch_size=0.5", "num_pipeline_microbatches=2")
+    assert (c.global_batch_size, c.microbatch_size) == (2, 1)
+    with pytest.raises(ConfigError, match="= 1.2 rows is not a whole number"):
+        load("pipeline_parallelism=4", "per_device_batch_size=0.3")
+    assert load("global_batch_size=8", "pipeline_parallelism=4").global_batch_size == 8
+
+
+def test_gradient_accumulation_multiplies_batch_and_microbatches():
+    c = load("gradient_accumulation_steps=2")
+    assert (c.global_batch_size, c.num_pipeline_microbatches, c.microbatch_size) == (8, 2, 4)
+    c = load("gradient_accumulation_steps=2", "pipeline_parallelism=2")
+    assert (c.global_batch_size, c.num_pipeline_microbatches, c.microbatch_size) == (16, 8, 2)
+
+
+def test_pipeline_repeats_from_maxtext_keys():
+    c = load(
+        "pipeline_parallelism=2",
+        "num_decoder_layers=8",
+        "num_layers_per_pipeline_stage=2",
+        "pipeline_schedule=interleaved_1f1b",
+    )
+    assert (c.num_pipeline_repeats, c.num_stages, c.stage_layers) == (2, 4, (2, 2, 2, 2))
+    with pytest.raises(ConfigError, match="num_layers_per_pipeline_stage=3 x 2 pipeline groups"):
+        load("pipeline_parallelism=2", "num_decoder_layers=8", "num_layers_per_pipeline_stage=3")
+    derived = {  # num_pipeline_repeats=-1: MaxText's one layer per virtual stage where it applies
+        "interleaved_1f1b": 2,
+        "dualpipev": 2,
+        "1f1b": 1,
+    }
+    for schedule, repeats in derived.items():
+        c = load(
+            "pipeline_parallelism=2", "num_pipeline_repeats=-1", f"pipeline_schedule={schedule}"
+        )
+        assert c.num_pipeline_repeats == repeats, schedule
+    assert load("num_pipeline_repeats=-1").num_pipeline_repeats == 1
+
+
+def test_dcn_axes_span_processes():
+    multi = ["coordinator_address=127.0.0.1:1", "num_processes=2", "process_id=0"]
+    c = load(*multi, "dcn_data_parallelism=2", "ici_fsdp_parallelism=4")
+    assert (c.mesh_data, c.mesh_fsdp, c.num_devices, c.global_batch_size) == (2, 4, 8, 32)
+    assert c.uses_dcn and load(*multi, "dcn_fsdp_parallelism=-1").dcn_fsdp_parallelism == 2
+    c = load(*multi, "dcn_pipeline_parallelism=2", "ici_pipeline_parallelism=2")
+    assert c.is_pipelined and c.mesh_pipeline == 4 and c.num_stages == 4
+    with pytest.raises(ConfigError, match="spans 4 processes but num_processes=2"):
+        load(*multi, "dcn_data_parallelism=4")
+    with pytest.raises(ConfigError, match="keeps each pipeline group on one process"):
+        load(*multi, "dcn_data_parallelism=2", "pipeline_parallelism=2")
+
+
+class _FakeDevice:
+    def __init__(self, i, process):
+        self.id, self.process_index, self.platform, self.device_kind = i, process, "cpu", "cpu"
+
+    def __repr__(self):
+        return f"d{self.id}@p{self.process_index}"
+
+
+def test_hybrid_mesh_puts_dcn_axes_across_processes():
+    from MaxText.sharding import mesh_device_array
+
+    devices = [_FakeDevice(i, i // 4) for i in range(8)]  # 2 processes x 4 devices
+    multi = ["coordinator_address=127.0.0.1:1", "num_processes=2", "process_id=0"]
+    spmd = mesh_device_array(
+        load(*multi, "dcn_data_parallelism=2", "ici_fsdp_parallelism=4"), devices
+    )
+    assert spmd.shape == (2, 4, 1)  # (data, fsdp, tensor): data = the process
+    assert [[d.process_index for d in row.flat] for row in spmd] == [[0] * 4, [1] * 4]
+    pipelined = mesh_device_array(
+        load(
+            *multi,
+            "dcn_pipeline_parallelism=2",
+            "ici_pipeline_parallelism=2",
+            "ici_fsdp_parallelism=2",
+        ),
+        devices,
+    )
+    assert pipelined.shape == (4, 1, 2, 1)  # (stage, data, fsdp, tensor)
+    # every pipeline group on one process; groups 0-1 on process 0, 2-3 on process 1
+    assert [{d.process_index for d in group.flat} for group in pipelined] == [{0}, {0}, {1}, {1}]
+
+
+def test_other_maxtext_keys():
+    c = load("model_name=small", "override_model_config=false", "emb_dim=64", "head_dim=8")
+    assert c.emb_dim == 64  # the command line wins over the preset whatever the flag says
+    assert (
+        load("seed=3").init_weights_seed == 3 and load("init_weights_seed=5").init_weights_seed == 5
+    )
+    assert load().mu_dtype == "float32" and load("mu_dtype=bfloat16").mu_dtype == "bfloat16"
+    assert load("metrics_file=/tmp/m.jsonl").metrics_file == "/tmp/m.jsonl"
+    assert load("opt_type=adafactor").opt_type == "adafactor"
+    with pytest.raises(ConfigError, match="opt_type=muon is not one of adamw | adam | sgd"):
+        load("opt_type=muon")

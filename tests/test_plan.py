@@ -21,7 +21,7 @@ BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
 
 def _config(*overrides):
     config = load_config([*BASE, *overrides])
-    devices.setup(config)
+    devices.setup(**config.device_args())
     return config
 
 

@@ -33,7 +33,7 @@ def build(tmp_path, *overrides):
     config = load_config(
         [str(CONFIGS_DIR / "base.yml"), *PROFILED, f"base_output_directory={tmp_path}", *overrides]
     )
-    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(**config.device_args())))
 
 
 class _Data:

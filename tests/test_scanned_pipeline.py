@@ -37,7 +37,9 @@ def config_of(tmp_path, *overrides):
 
 def build(tmp_path, *overrides):
     config = config_of(tmp_path, *overrides)
-    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    return config, build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
 
 
 def batches(config, n, seed=0):
@@ -68,7 +70,7 @@ def initial_params(*overrides):
     """(config, params as numpy) as the trainer initialises them (on the first group when
     pipelined), without compiling a step."""
     config = config_of("/unused", *overrides)
-    mesh = sharding.make_mesh(config, devices.setup(config))
+    mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
     if config.is_pipelined:
         mesh = sharding.make_mpmd_mesh(mesh).unstack[0]
     model = Decoder(config)

@@ -7,18 +7,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from small_model import SMALL_MODEL
 
 from MaxText import devices, sharding
 from MaxText.config import CONFIGS_DIR, load_config
-from MaxText.model import Decoder
+from MaxText.model import Decoder, cross_entropy_sums
 from MaxText.optimizer import _decay_mask, learning_rate_schedule, make_optimizer
 from MaxText.train import TrainingDivergedError, run
 from MaxText.train_step import build_trainer, split_microbatches, state_specs
@@ -31,6 +35,7 @@ SMALL = [
     "steps=3",
     "enable_progress_bar=false",
     "enable_tensorboard=false",
+    "enable_checkpointing=false",  # the loop tests feed a stand-in iterator without get_state
 ]
 
 
@@ -53,7 +58,9 @@ def make_batches(config, n, seed=0):
 
 def build(tmp_path, *overrides):
     config = small_config(tmp_path, *overrides)
-    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(config)))
+    return config, build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
 
 
 def train(tmp_path, *overrides, trainer=None, steps=3):
@@ -103,8 +110,9 @@ def test_microbatches_are_strided_rows():
 def test_learning_rate_schedule_and_weight_decay_mask(tmp_path):
     config = small_config(tmp_path, "steps=100", "warmup_steps_fraction=0.1", "learning_rate=3e-3")
     lr = learning_rate_schedule(config)
-    # warmup 0 -> 3e-3 over 10 steps, cosine to 3e-4 at step 100, then flat
-    expected = {0: 0.0, 5: 1.5e-3, 10: 3e-3, 55: 3e-4 + 2.7e-3 * 0.5, 100: 3e-4, 150: 3e-4}
+    # warmup 0 -> 3e-3 over 10 steps, cosine towards 3e-4 at step 100, then 0 (as MaxText)
+    cos_99 = 3e-4 + 2.7e-3 * 0.5 * (1 + np.cos(np.pi * 89 / 90))
+    expected = {0: 0.0, 5: 1.5e-3, 10: 3e-3, 55: 3e-4 + 2.7e-3 * 0.5, 99: cos_99, 100: 0, 150: 0}
     for step, value in expected.items():
         assert float(lr(step)) == pytest.approx(value, rel=1e-5, abs=1e-9), step
     gpt = small_config(tmp_path, "decoder_block=gpt")
@@ -179,6 +187,8 @@ class _Data:
 
 METRIC_KEYS = {
     "step",
+    "raw_grad_norm",
+    "total_weights",
     "loss",
     "step_time_s",
     "tokens_per_s_per_device",
@@ -192,18 +202,63 @@ METRIC_KEYS = {
 def loop_config(config, tmp_path, **loop_keys):
     """The same model and step with other loop-only keys (logging, evaluation, outputs)."""
     output_dir = str(tmp_path / "run")
-    return dataclasses.replace(config, output_dir=output_dir, **loop_keys)
+    metrics_file = os.path.join(output_dir, "metrics.jsonl")
+    return dataclasses.replace(
+        config, output_dir=output_dir, metrics_file=metrics_file, **loop_keys
+    )
 
 
-def test_loop_writes_metrics_and_evaluates(one_device_trainer, one_device, tmp_path):
+def _tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} read from the TFRecord event files (tensorboardX's Event proto)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, dict[int, float]] = {}
+    for path in folder.glob("events.out.tfevents.*"):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+            i += 12 + n + 4  # length, its crc, the record, its crc
+            for value in event.summary.value:
+                out.setdefault(value.tag, {})[event.step] = value.simple_value
+    return out
+
+
+STEP_LINE = re.compile(
+    r"^completed step: (\d+), seconds: (\d+\.\d{3}), TFLOP/s/device: (\d+\.\d{3}), "
+    r"Tokens/s/device: (\d+\.\d{3}), total_weights: (\d+), loss: (\d+\.\d{3})$"
+)
+
+
+def test_loop_writes_metrics_and_evaluates(one_device_trainer, one_device, tmp_path, capsys):
     config, trainer = one_device_trainer
     config = loop_config(config, tmp_path, log_period=2, eval_interval=1, enable_tensorboard=True)
+    capsys.readouterr()
     last = run(config, trainer, _Data(config))
     records = [json.loads(line) for line in Path(config.metrics_file).read_text().splitlines()]
+    # MaxText's line after every step; total_weights = the batch's unmasked target tokens
+    lines = [m for m in map(STEP_LINE.match, capsys.readouterr().out.splitlines()) if m]
+    weights = [int(b["targets_mask"].sum()) for b in make_batches(config, 3)]
+    assert [int(m[1]) for m in lines] == [1, 2, 3]
+    assert [int(m[5]) for m in lines] == weights == [r["total_weights"] for r in records]
+    assert [m[6] for m in lines] == [f"{r['loss']:.3f}" for r in records]
+    # TensorBoard: MaxText's names, grad_norm after clipping and raw_grad_norm before
+    scalars = _tensorboard_scalars(Path(config.tensorboard_dir))
+    for tag, key in (
+        ("learning/grad_norm", "grad_norm"),
+        ("learning/raw_grad_norm", "raw_grad_norm"),
+        ("learning/total_weights", "total_weights"),
+    ):
+        want = {r["step"]: r[key] for r in records}
+        assert scalars[tag] == pytest.approx(want, rel=1e-6), tag  # stored as float32
+    assert all(r["grad_norm"] == min(r["raw_grad_norm"], 1.0) for r in records)
     assert [r["step"] for r in records] == [1, 2, 3]  # eval every step forces a record
     config = loop_config(config, tmp_path / "b", log_period=2, eval_interval=0)
+    custom = tmp_path / "elsewhere" / "m.jsonl"  # metrics_file= (MaxText's key): any path
+    config = dataclasses.replace(config, metrics_file=str(custom))
     run(config, trainer, _Data(config))
-    plain = [json.loads(line) for line in Path(config.metrics_file).read_text().splitlines()]
+    assert not (tmp_path / "b" / "run" / "metrics.jsonl").exists()
+    plain = [json.loads(line) for line in custom.read_text().splitlines()]
     assert [r["step"] for r in plain] == [2, 3]  # log_period, and the last step
     for r in records + plain:
         assert METRIC_KEYS <= set(r)
@@ -214,6 +269,32 @@ def test_loop_writes_metrics_and_evaluates(one_device_trainer, one_device, tmp_p
     assert last == records[-1]
     assert [r["loss"] for r in records] == one_device[0].tolist()  # the loop runs the same steps
     assert any(Path(config.tensorboard_dir).glob("events.out.tfevents.*"))
+
+
+def test_grad_norms_are_maxtexts(one_device_trainer):
+    """raw_grad_norm is the norm of the gradients, grad_norm the norm after
+    clip_by_global_norm, against a plain jax.jit of the loss gradient and optax's clipping.
+    Not bitwise: the step sums microbatch gradients in its own program; bound 1e-5 relative."""
+    config, trainer = one_device_trainer
+    state = trainer.init_state()
+    params = jax.tree.map(np.asarray, state["params"])
+    batch = make_batches(config, 1)[0]
+    _, metrics = trainer.train_step(state, trainer.put_batch(batch))
+
+    def mean_loss(p):
+        logits = trainer.model.apply({"params": p}, jnp.asarray(batch["inputs"]))
+        total, count = cross_entropy_sums(logits, batch["targets"], batch["targets_mask"])
+        return total / count
+
+    grads = jax.jit(jax.grad(mean_loss))(params)
+    threshold = config.gradient_clipping_threshold
+    raw = float(optax.tree.norm(grads))
+    assert raw > threshold  # clipping is active, so the two norms differ
+    clipped, _ = optax.clip_by_global_norm(threshold).update(grads, None)
+    np.testing.assert_allclose(float(metrics["raw_grad_norm"]), raw, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(metrics["grad_norm"]), float(optax.tree.norm(clipped)), rtol=1e-5
+    )
 
 
 def test_nan_loss_aborts_with_step_number(one_device_trainer, tmp_path):
