@@ -338,7 +338,7 @@ def pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh
     from jaxpp_integration.schedules import schedule_from_name
 
     schedule = schedule_from_name(
-        config.pipeline_schedule, config.num_stages, config.ici_pipeline_parallelism
+        config.pipeline_schedule, config.num_stages, config.mesh_pipeline
     )
     return jaxpp.mpmd_jit_with_loop(
         make_train_step(config, model, optimizer, lr_schedule, schedule=schedule),

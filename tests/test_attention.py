@@ -231,7 +231,9 @@ def test_chunked_under_sharding_and_pipelining():
                 *overrides,
             ]
         )
-        trainer = build_trainer(config, sharding.make_mesh(config, devices.setup(**config.device_args())))
+        trainer = build_trainer(
+            config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+        )
         rng = np.random.default_rng(0)
         shape = (config.global_batch_size, config.max_target_length)
         batch = {

@@ -33,7 +33,9 @@ def build(tmp_path, *overrides):
     config = load_config(
         [str(CONFIGS_DIR / "base.yml"), *PROFILED, f"base_output_directory={tmp_path}", *overrides]
     )
-    return config, build_trainer(config, sharding.make_mesh(config, devices.setup(**config.device_args())))
+    return config, build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
 
 
 class _Data:
