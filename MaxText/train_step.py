@@ -337,9 +337,7 @@ def pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh
     the very same function on abstract inputs."""
     from jaxpp_integration.schedules import schedule_from_name
 
-    schedule = schedule_from_name(
-        config.pipeline_schedule, config.num_stages, config.mesh_pipeline
-    )
+    schedule = schedule_from_name(config.pipeline_schedule, config.num_stages, config.mesh_pipeline)
     return jaxpp.mpmd_jit_with_loop(
         make_train_step(config, model, optimizer, lr_schedule, schedule=schedule),
         mpmd_mesh=mpmd_mesh,
