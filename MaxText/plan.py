@@ -570,7 +570,9 @@ def _parse(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = _parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from MaxText.train import setup_logging
+
+    setup_logging()
     from MaxText import devices
     from MaxText.config import ConfigError, load_config
 

@@ -187,10 +187,26 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     return last
 
 
-def _setup_logging() -> None:
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a line is logged (pytest and notebooks swap it;
+    a handler bound to an old stream would write to a closed file)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def setup_logging() -> None:
     """INFO lines of the MaxText.* loggers to stderr, whatever imported libraries configured."""
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -199,7 +215,7 @@ def _setup_logging() -> None:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point; returns the process exit code (0 ok, 1 diverged, 2 config error)."""
-    _setup_logging()
+    setup_logging()
     try:
         config = load_config(argv)
         devs = devices.setup(**config.device_args())
