@@ -342,12 +342,15 @@ def test_on_disk_tree_does_not_depend_on_the_layout(spmd_full, pp4_full):
 @pytest.mark.parametrize(
     "layout, rtol",
     [
-        # Same microbatching (4): bitwise. For pipeline_parallelism=1 that holds on this config
-        # (measured); in general the engine's per-stage backward programs can order one reduction
-        # differently from jax.jit (tests/test_train.py::test_pipeline_matches_unpipelined, 2 ulp
-        # on other data), which would be the cause should an engine or XLA change break it.
+        # Same microbatching (4): pipelined -> pipelined is bitwise. Pipelined -> one program
+        # (pipeline_parallelism=1) is not: the engine compiles each stage's backward as its own
+        # program (since this round the last stage's too, and activations carry sharding
+        # constraints inside stages), and XLA orders one reduction differently there than in the
+        # single jax.jit program, as tests/test_train.py::test_pipeline_matches_unpipelined
+        # states. Measured here: 1.1e-7 relative at step 16 (1 ulp); bound 1e-6, the same as
+        # that test's.
         (("pipeline_parallelism=2",), 0.0),
-        (("pipeline_parallelism=1",), 0.0),
+        (("pipeline_parallelism=1",), 1e-6),
         # fsdp=4 cannot use 4 microbatches at a global batch of 8 (4 x 4 data-parallel devices
         # do not divide it), so it runs 2 microbatches of 4 rows sharded over 4 devices: the loss
         # and gradient sums are added in another order. Measured 1.1e-7 relative; bound 1e-5.
