@@ -415,6 +415,10 @@ def _apply_partial(eqn, ins):
         return [_V(_add_to_first(p.val, c_val), None, axes)]
     if name in _ELEMENTWISE_UNARY_LINEAR or name in _SHAPE_LINEAR:
         return vmapped() if parts == [True] + [False] * (len(ins) - 1) else None
+    if name == "sharding_constraint":
+        # the identity on values (e.g. the transpose of a model's activation/weight constraint):
+        # the partials keep their own layout, [D, ...] sharded over the data axes
+        return [_V(ins[0].val, None, axes)] if parts == [True] else None
     if name == "convert_element_type":
         src, dst = ins[0].val.dtype, eqn.params["new_dtype"]
         floats = jnp.issubdtype(src, jnp.inexact) and jnp.issubdtype(dst, jnp.inexact)
