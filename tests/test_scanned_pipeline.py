@@ -191,14 +191,25 @@ def test_scanned_pipeline_is_bitwise_for_every_schedule(tmp_path, schedule):
     Why bitwise: a stage of two or more layers is a `while` loop whose body XLA compiles as a
     computation of its own, the same in the stage's program as in `jax.jit`'s one program, and
     the work between stages is the engine's usual bitwise case (tests/test_engine_equivalence.py).
+
+    Except the token embedding under ZeroBubble and DualPipeV, within 1e-6 per leaf: the trainer
+    compiles the pipelined step under its activation-sharding rules (so the batch stays split
+    over fsdp inside stages), the `jax.jit` reference here without them, and where the first
+    stage's backward is cut differently (split into bwdI/bwdW, or the V's first stage) the
+    constraint moves one reduction of the embedding gradient: measured, 64-77 of 2048 entries of
+    Adam's `mu` for the embedding differ by 1 ulp, and Adam's `nu` (a square: twice the relative
+    error) of a few stage-0 leaves by up to 1.06e-6 of the leaf; bound 2e-6 per leaf.
     """
-    config, trainer, state = run_against_jit(tmp_path, schedule)
+    rtol = 2e-6 if schedule in ("zero_bubble", "dualpipev") else 0.0
+    config, trainer, state = run_against_jit(tmp_path, schedule, rtol=rtol)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES[schedule])
 
 
 @pytest.mark.slow
-def test_one_layer_stages_agree_within_1e6(tmp_path):
-    """DualPipeV with one layer per stage (4 layers, 4 stages): within 1e-6 per leaf, not bitwise.
+def test_one_layer_stages_agree_within_2e6(tmp_path):
+    """DualPipeV with one layer per stage (4 layers, 4 stages): within 2e-6 per leaf, not bitwise
+    (1e-6 before the activation-sharding rules held inside stages; Adam's `nu`, a square, now
+    measures 1.03e-6 of its leaf).
 
     XLA's while-loop simplifier inlines a scan of one trip, so the layer's ops fuse with their
     neighbours across the stage boundary as unrolled layers do, and the per-stage program orders
@@ -207,7 +218,7 @@ def test_one_layer_stages_agree_within_1e6(tmp_path):
     pipelines), which Adam carries into its moment; every other leaf stays within ~1e-7.
     """
     config, trainer, state = run_against_jit(
-        tmp_path, "dualpipev", "num_pipeline_repeats=2", rtol=1e-6
+        tmp_path, "dualpipev", "num_pipeline_repeats=2", rtol=2e-6
     )
     assert config.stage_layers == (1, 1, 1, 1)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES["dualpipev"])
