@@ -17,12 +17,14 @@ total_weights: 2048, loss: 5.432`. `write(record)` takes one dict per logged ste
   eval/avg_loss.
 
 The progress bar (tqdm, on stderr) advances every step; console lines are written through it so
-they do not tear the bar.
+they do not tear the bar. `setup_logging()` sends the MaxText loggers' INFO lines to the current
+stderr (the trainer's and the planner's).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -140,3 +142,30 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a line is logged (pytest and notebooks swap it;
+    a handler bound to an old stream would write to a closed file)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def setup_logging() -> None:
+    """INFO lines of the MaxText.* loggers to stderr, whatever imported libraries configured."""
+    log = logging.getLogger("MaxText")
+    if not log.handlers:
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False

@@ -570,7 +570,7 @@ def _parse(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = _parse(argv)
-    from MaxText.train import setup_logging
+    from MaxText.metrics import setup_logging
 
     setup_logging()
     from MaxText import devices

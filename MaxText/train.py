@@ -30,7 +30,7 @@ import jaxpp_integration as jaxpp
 from MaxText import devices, flops, memory, sharding
 from MaxText.checkpointing import Checkpoints
 from MaxText.config import Config, ConfigError, load_config
-from MaxText.metrics import MetricsLogger
+from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
 from MaxText.profiling import Profiler
 from MaxText.train_step import Trainer, build_trainer, evaluate, measured_train_step
@@ -185,32 +185,6 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         logger.close()
         checkpoints.close()  # waits for an async save still being written
     return last
-
-
-class _CurrentStderr(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is when a line is logged (pytest and notebooks swap it;
-    a handler bound to an old stream would write to a closed file)."""
-
-    def __init__(self):
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value):
-        pass
-
-
-def setup_logging() -> None:
-    """INFO lines of the MaxText.* loggers to stderr, whatever imported libraries configured."""
-    if not log.handlers:
-        handler = _CurrentStderr()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 def main(argv: Sequence[str]) -> int:

@@ -23,6 +23,7 @@ PROFILED = [
     "log_period=1",
     "enable_progress_bar=false",
     "enable_tensorboard=false",
+    "enable_checkpointing=false",  # the fake data below has no iterator state
     "profiler=xplane",
     "skip_first_n_steps_for_profiler=1",
     "profiler_steps=2",
