@@ -437,7 +437,8 @@ def measured_train_step(trainer: Trainer, state, batch, **step_kwargs):
 
     if trainer.mpmd_mesh is None:
         state, metrics = trainer.train_step(state, batch, **step_kwargs)
-        stats = [d.memory_stats() for d in trainer.mesh.devices.flat]
+        local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
+        stats = [d.memory_stats() for d in local]
         if all(s and "peak_bytes_in_use" in s for s in stats):
             return state, metrics, [max(int(s["peak_bytes_in_use"]) for s in stats)]
         return state, metrics, None
