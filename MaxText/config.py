@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
+from MaxText.config_pipeline import REMAT_POLICIES, derive_pipeline, stage_layer_counts  # noqa: F401
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
-from MaxText.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values, pipeline_repeats
-from MaxText.stage_balance import parse_stage_layers
+from MaxText.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values
 from MaxText.unsupported_keys import UNSUPPORTED, UNSUPPORTED_DECODER_BLOCKS
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -63,7 +63,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "mu_dtype": ("", "float32", "bfloat16"),
     "dtype": ("float32", "bfloat16", "float16"),
     "weight_dtype": ("float32", "bfloat16", "float16"),
-    "remat_policy": ("none", "full", "minimal", "save_qkv_proj", "save_dot_except_mlp"),
+    "remat_policy": (*REMAT_POLICIES, "auto"),
     "dataset_type": ("text", "synthetic", "tfds", "grain"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk"),
 }
@@ -90,6 +90,7 @@ class Config:
     num_pipeline_microbatches: int
     num_pipeline_repeats: int
     pipeline_stage_layers: str
+    pipeline_stage_remat: str
     # pipeline communication
     gradient_reduction: str
     pipeline_hang_timeout_s: float
@@ -200,6 +201,8 @@ class Config:
     # config holds the defaults they replace (1f1b; 2 x stages microbatches)
     schedule_auto: bool = _derived(False)
     microbatches_auto: bool = _derived(False)
+    remat_auto: bool = _derived(False)  # remat_policy=auto ("full" until resolved)
+    stage_remat: tuple[str, ...] = _derived(())  # remat policy of each stage
     output_dir: str = _derived("")  # base_output_directory/run_name
     config_path: str = _derived("")  # the YAML file argv[0]
 
@@ -257,6 +260,7 @@ class Config:
         """Keys and derived values as plain JSON-friendly Python values."""
         out = dataclasses.asdict(self)
         out["stage_layers"] = list(self.stage_layers)
+        out["stage_remat"] = list(self.stage_remat)
         return out
 
 
@@ -399,30 +403,6 @@ def _find_preset(name: str, config_path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------------- derivation
-
-
-def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Decoder layers per stage: an even split, remainder layers to the middle stages first.
-
-    The first stage also holds the embedding and the last stage the final norm, logits and loss,
-    so extra layers go to the stages nearest the middle, then to the first, then to the last.
-    """
-    base, extra = divmod(num_layers, num_stages)
-    counts = [base] * num_stages
-    middle = sorted(range(1, num_stages - 1), key=lambda s: (abs(2 * s - (num_stages - 1)), s))
-    order = middle + [0] + ([num_stages - 1] if num_stages > 1 else [])
-    for stage in order[:extra]:
-        counts[stage] += 1
-    return tuple(counts)
-
-
-def _stage_split(value: Any, num_layers: int, num_stages: int) -> tuple[int, ...] | str:
-    """`pipeline_stage_layers`: 'even', 'auto' (resolved by the trainer through the planner,
-    MaxText/stage_balance.py) or explicit counts per stage."""
-    try:
-        return parse_stage_layers(value, num_layers, num_stages)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _divisors(n: int) -> str:
@@ -609,78 +589,8 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
             f"fsdp shards parameters along it"
         )
 
-    # pipeline
-    pipeline_repeats(v, pp)
-    v["schedule_auto"] = v["pipeline_schedule"] == "auto"
-    if v["schedule_auto"]:
-        v["pipeline_schedule"] = "1f1b"
-    v["microbatches_auto"] = v["num_pipeline_microbatches"] == "auto"
-    if v["microbatches_auto"]:
-        v["num_pipeline_microbatches"] = -1
-    repeats = v["num_pipeline_repeats"]
-    schedule = v["pipeline_schedule"]
-    num_stages = pp * repeats
-    v["num_stages"] = num_stages
-    if v["num_decoder_layers"] < num_stages:
-        raise ConfigError(
-            f"num_decoder_layers={v['num_decoder_layers']} is less than the {num_stages} pipeline "
-            f"stages (ici_pipeline_parallelism={pp} x num_pipeline_repeats={repeats}); "
-            f"every stage needs at least one layer"
-        )
-    if pp > 1 and repeats > 1 and schedule not in ("interleaved_1f1b", "dualpipev"):
-        raise ConfigError(
-            f"num_pipeline_repeats={repeats} needs pipeline_schedule=interleaved_1f1b or "
-            f"dualpipev; {schedule} runs one stage per pipeline group"
-        )
-    if pp > 1 and schedule == "dualpipev" and repeats != 2:
-        raise ConfigError(
-            f"pipeline_schedule=dualpipev runs exactly 2 stages per group; "
-            f"set num_pipeline_repeats=2 (got {repeats})"
-        )
-    v["stage_layers"] = stage_layer_counts(v["num_decoder_layers"], num_stages)
-    split = _stage_split(v["pipeline_stage_layers"], v["num_decoder_layers"], num_stages)
-    if isinstance(split, tuple):
-        v["stage_layers"] = split
-    v["pipeline_stage_layers"] = split if isinstance(split, str) else ",".join(map(str, split))
-
-    # batch: per_device_batch_size counts every device (pipeline and tensor included) as in
-    # MaxText; gradient_accumulation_steps multiplies the batch and the number of microbatches
-    ga = v["gradient_accumulation_steps"]
-    if v["global_batch_size"] == 0:
-        rows = v["per_device_batch_size"] * v["num_devices"] * ga
-        if rows != int(rows):
-            raise ConfigError(
-                f"per_device_batch_size={v['per_device_batch_size']} x {v['num_devices']} devices"
-                f" x gradient_accumulation_steps={ga} = {rows:g} rows is not a whole number; "
-                f"choose per_device_batch_size so that it is (or set global_batch_size)"
-            )
-        v["global_batch_size"] = int(rows)
-    if v["num_pipeline_microbatches"] == -1:
-        v["num_pipeline_microbatches"] = 2 * pp if pp > 1 else 1
-    if v["num_pipeline_microbatches"] < 1:
-        raise ConfigError(
-            f"num_pipeline_microbatches={v['num_pipeline_microbatches']}: must be >= 1 "
-            f"(or -1 for automatic)"
-        )
-    v["num_pipeline_microbatches"] *= ga
-    m = v["num_pipeline_microbatches"]
-    if v["global_batch_size"] % (m * dp):
-        raise ConfigError(
-            f"global_batch_size={v['global_batch_size']} is not divisible by "
-            f"num_pipeline_microbatches={m} x {dp} data-parallel devices (data x fsdp); "
-            f"use a global batch that is a multiple of {m * dp}"
-        )
-    v["microbatch_size"] = v["global_batch_size"] // m
-    if pp > 1 and schedule == "interleaved_1f1b" and m % pp:
-        raise ConfigError(
-            f"pipeline_schedule=interleaved_1f1b needs num_pipeline_microbatches={m} to be a "
-            f"multiple of ici_pipeline_parallelism={pp}"
-        )
-    if pp > 1 and schedule == "dualpipev" and m < num_stages:
-        raise ConfigError(
-            f"pipeline_schedule=dualpipev needs num_pipeline_microbatches >= {num_stages} "
-            f"stages, got {m}"
-        )
+    # pipeline: schedule, stages, per-stage layers and remat, microbatches (config_pipeline.py)
+    derive_pipeline(v, pp, dp)
 
     # optimizer schedule, generation
     if v["learning_rate_schedule_steps"] == -1:

@@ -218,9 +218,11 @@ def remat_policy(name: str):
     return jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED_NAMES[name])
 
 
-def layer_class(config: Config, scanned: bool = False):
-    """DecoderLayer, wrapped in `nn.remat` unless remat_policy=none."""
+def layer_class(config: Config, scanned: bool = False, stage: int = 0):
+    """DecoderLayer of pipeline stage `stage`, wrapped in `nn.remat` unless its policy
+    (`config.stage_remat[stage]`: remat_policy, or pipeline_stage_remat's entry) is none."""
+    policy = config.stage_remat[stage] if config.stage_remat else config.remat_policy
     cls = ScannedDecoderLayer if scanned else DecoderLayer
-    if config.remat_policy == "none":
+    if policy == "none":
         return cls
-    return nn.remat(cls, policy=remat_policy(config.remat_policy), prevent_cse=not scanned)
+    return nn.remat(cls, policy=remat_policy(policy), prevent_cse=not scanned)

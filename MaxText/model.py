@@ -16,7 +16,8 @@ they constrain sharding only when the trainer activates the rules (SPMD), no-ops
 Layers are unrolled (`layers_0`, `layers_1`, ...) unless `scan_layers=true`: then each stage's
 layers run as one `nn.scan` over weights stacked with a leading layer axis, `layers` (no stages)
 or `layers_stage_<s>` (one per stage, see `scanned_blocks`), and the markers sit between the stage
-scans. Remat wraps the scanned layer, so the policy applies inside the scan. `init_params` gives
+scans. Remat wraps the scanned layer, so the policy applies inside the scan; each stage has its
+own policy (`config.stage_remat`). `init_params` gives
 every layout the same initial values (sliced from one stacked initialisation), and
 `MaxText/checkpoint_layout.py` maps every layout to one on-disk tree.
 """
@@ -67,20 +68,22 @@ class Decoder(nn.Module):
 
         stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
         if c.scan_layers:
-            for name, first, count in scanned_blocks(c):
+            for stage, (name, first, count) in enumerate(scanned_blocks(c)):
                 x_BxLxE = _constrain(
-                    self._scan(name, count, x_BxLxE, positions_BxL, segment_ids_BxL)
+                    self._scan(name, stage, count, x_BxLxE, positions_BxL, segment_ids_BxL)
                 )
                 if first + count - 1 in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
         else:
-            layer_cls = layers.layer_class(c)
+            stage = 0
             for i in range(c.num_decoder_layers):
+                layer_cls = layers.layer_class(c, stage=stage)
                 x_BxLxE = _constrain(
                     layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL, segment_ids_BxL)
                 )
                 if i in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
+                    stage += 1
 
         x_BxLxE = layers.norm_for(c, "decoder_norm")(x_BxLxE)
         if c.logits_via_embedding:
@@ -96,11 +99,11 @@ class Decoder(nn.Module):
             "ble,ev->blv", x_BxLxE, head_ExV.astype(dtype), preferred_element_type=jnp.float32
         )
 
-    def _scan(self, name: str, length: int, x_BxLxE, *per_token_args):
-        """`length` layers as one `nn.scan` over weights stacked under `name` (leading axis =
-        layer). `per_token_args` (positions, segment ids) are broadcast to every layer."""
+    def _scan(self, name: str, stage: int, length: int, x_BxLxE, *per_token_args):
+        """`length` layers of `stage` as one `nn.scan` over weights stacked under `name` (leading
+        axis = layer). `per_token_args` (positions, segment ids) are broadcast to every layer."""
         scanned = nn.scan(
-            layers.layer_class(self.config, scanned=True),
+            layers.layer_class(self.config, scanned=True, stage=stage),
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(nn.broadcast,) * len(per_token_args),
@@ -131,6 +134,7 @@ def canonical_init_config(config: Config) -> Config:
         config,
         scan_layers=True,
         remat_policy="none",
+        stage_remat=("none",),
         ici_pipeline_parallelism=1,
         dcn_pipeline_parallelism=1,
         mesh_pipeline=1,

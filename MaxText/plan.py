@@ -32,50 +32,13 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 from typing import Any
 
+from MaxText.hardware import GB, HARDWARE, Hardware, cpu_hardware, local_hardware  # noqa: F401
+
 log = logging.getLogger("MaxText")
-
-GB = 1e9
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One accelerator: memory per device, dense peak for the compute dtype, bandwidths."""
-
-    name: str
-    memory_bytes: float
-    peak_tflops: float  # dense bf16 (tensor cores)
-    hbm_gbps: float  # device memory bandwidth, GB/s
-    link_gbps: float  # stage-to-stage bandwidth per device, GB/s (pipelines usually cross nodes)
-    efficiency: float = 0.6  # fraction of the peak a large matmul-bound task reaches
-
-    def task_seconds(self, flops: float, bytes_accessed: float) -> float:
-        compute = flops / (self.peak_tflops * 1e12 * self.efficiency)
-        memory = bytes_accessed / (self.hbm_gbps * GB)
-        return max(compute, memory, 1e-9)
-
-
-# SXM parts; link = one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), the usual inter-node fabric
-# a pipeline crosses. Override any figure with --memory-gb, --peak-tflops, --hbm-gbps, --link-gbps.
-HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("h100", 80 * GB, 989.0, 3350.0, 50.0),
-    "h200": Hardware("h200", 141 * GB, 989.0, 4800.0, 50.0),
-    "a100": Hardware("a100", 80 * GB, 312.0, 2039.0, 25.0),
-}
-
-
-def cpu_hardware(num_devices: int) -> Hardware:
-    """This host, shared by the emulated devices (the trainer's CPU estimate of the peak)."""
-    from MaxText.flops import CPU_ASSUMED_GHZ, _cpu_flops_per_cycle
-
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    cores = os.cpu_count() or 1
-    peak = cores * _cpu_flops_per_cycle() * CPU_ASSUMED_GHZ * 1e9 / 1e12
-    return Hardware("cpu", pages / num_devices, peak / num_devices, 10.0, 2.0, efficiency=0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +68,9 @@ class Plan:
     stage_costs: Any = None  # stage_balance.StageCosts measured on this split (pipelined only)
     baseline: Any = None  # schedule_choice.Baseline measured on this configuration
     compared: Any = None  # the even split's Plan when this one was balanced automatically
+    stage_remat: tuple = ()  # remat policy per stage
+    live_microbatches: tuple = ()  # per group: microbatches (x stages) in flight at its peak
+    remat: Any = None  # remat_choice.RematChoice when remat_policy=auto chose the policies
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -259,7 +225,13 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
     stage_costs = _stage_costs(config, schedule, per_task, groups, layer_state)
     baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
-    return dataclasses.replace(out, stage_costs=stage_costs, baseline=baseline)
+    return dataclasses.replace(
+        out,
+        stage_costs=stage_costs,
+        baseline=baseline,
+        stage_remat=tuple(config.stage_remat),
+        live_microbatches=tuple(sim.peak_live_activations),
+    )
 
 
 def _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside):
@@ -388,20 +360,101 @@ def _finish(config, hardware, groups, schedule, step_time, bubble) -> Plan:
 
 
 def make_plan(config, hardware: Hardware) -> Plan:
-    """The plan for `config` (devices must already exist: see `main`). With
-    `pipeline_stage_layers=auto` the even split is planned first, `stage_balance` picks the
-    split from its costs, and that split is planned (compiled) again; `.compared` holds the even
-    plan for the side-by-side view."""
+    """The plan for `config` (devices must already exist: see `main`), every "auto" key decided
+    as the trainer decides it. With `pipeline_stage_layers=auto` the even split is planned
+    first, `stage_balance` picks the split from its costs, and that split is planned (compiled)
+    again; `.compared` holds the even plan for the side-by-side view. With `remat_policy=auto`
+    the policies per stage are chosen last (`plan_remat_auto`)."""
     if not config.is_pipelined:
-        return plan_spmd(config, hardware)
-    if config.pipeline_stage_layers != "auto":
-        return plan_pipelined(config, hardware)
-    even = plan_pipelined(config, hardware)
-    split = auto_stage_layers(config, even, hardware)
-    if split is None or list(split) == even.stage_layers:
-        return even
-    balanced = plan_pipelined(dataclasses.replace(config, stage_layers=split), hardware)
-    return dataclasses.replace(balanced, compared=even)
+        return (
+            plan_spmd_remat_auto(config, hardware)
+            if config.remat_auto
+            else plan_spmd(config, hardware)
+        )
+    plan = plan_pipelined(config, hardware)
+    if config.pipeline_stage_layers == "auto":
+        split = auto_stage_layers(config, plan, hardware)
+        if split is not None and list(split) != plan.stage_layers:
+            config = dataclasses.replace(config, stage_layers=tuple(split))
+            plan = dataclasses.replace(plan_pipelined(config, hardware), compared=plan)
+    if config.remat_auto:
+        plan = plan_remat_auto(config, hardware, plan)
+    return plan
+
+
+def plan_remat_auto(config, hardware: Hardware, base: Plan) -> Plan:
+    """`remat_policy=auto` on a pipeline: the policies per stage `remat_choice.choose` picks
+    from `base` (this config planned with its current policies), compiled and planned again to
+    check them; a group that still does not fit moves its stages to the next heavier policy
+    (at most twice). The returned plan carries the choice in `.remat`."""
+    from MaxText import remat_choice as rc
+
+    profile = rc.layer_profile(config)
+    rows = config.microbatch_size / config.data_parallel_devices
+    group_of = base.stage_costs.group_of
+    choice = rc.choose(
+        profile,
+        config.stage_layers,
+        group_of,
+        base.stage_remat,
+        [g.peak_bytes for g in base.groups],
+        [g.activation_bytes for g in base.groups],
+        [live * rows for live in base.live_microbatches],
+        hardware.memory_bytes,
+    )
+    policies = choice.policies
+    plan = dataclasses.replace(  # base, judged against this hardware
+        base,
+        fits=all(g.peak_bytes <= hardware.memory_bytes for g in base.groups),
+        memory_bytes=hardware.memory_bytes,
+    )
+    for _ in range(3):
+        if tuple(policies) != tuple(plan.stage_remat):
+            chosen = dataclasses.replace(config, stage_remat=tuple(policies), remat_auto=False)
+            plan = plan_pipelined(chosen, hardware)
+        over = {g.group for g in plan.groups if g.peak_bytes > hardware.memory_bytes}
+        heavier = [
+            rc.heavier(p, profile) if group_of[s] in over else p for s, p in enumerate(policies)
+        ]
+        if not over or heavier == list(policies):
+            break
+        policies = heavier
+    spent = sum(n * profile[p].flops for n, p in zip(config.stage_layers, plan.stage_remat))
+    none = sum(config.stage_layers) * profile["none"].flops
+    report = dataclasses.replace(
+        choice,
+        policies=tuple(plan.stage_remat),
+        peak_bytes=tuple(g.peak_bytes for g in plan.groups),
+        fits=plan.fits,
+        recompute_fraction=spent / none - 1.0,
+    )
+    log.info("remat_policy=auto: %s", describe_remat(report))
+    return dataclasses.replace(plan, remat=report, compared=plan.compared or base.compared)
+
+
+def plan_spmd_remat_auto(config, hardware: Hardware) -> Plan:
+    """`remat_policy=auto` without a pipeline: the policy with the least recompute whose
+    compiled step fits (each candidate compiled in that order; the last one if none fits)."""
+    from MaxText import remat_choice as rc
+
+    profile = rc.layer_profile(config)
+    for policy in rc.by_recompute(profile):
+        one = dataclasses.replace(config, remat_policy=policy, stage_remat=(policy,))
+        plan = plan_spmd(one, hardware)
+        if plan.fits:
+            break
+    extra = profile[policy].flops / profile["none"].flops - 1.0
+    choice = rc.RematChoice((policy,), (plan.groups[0].peak_bytes,), plan.fits, extra)
+    log.info("remat_policy=auto: %s", describe_remat(choice))
+    return dataclasses.replace(plan, remat=choice, stage_remat=(policy,))
+
+
+def describe_remat(choice) -> str:
+    return (
+        f"remat per stage {list(choice.policies)}: layer FLOPs "
+        f"+{100 * choice.recompute_fraction:.0f}% over remat_policy=none, "
+        + ("every group fits" if choice.fits else "does not fit")
+    )
 
 
 def auto_stage_layers(config, even: Plan, hardware: Hardware):
@@ -411,36 +464,16 @@ def auto_stage_layers(config, even: Plan, hardware: Hardware):
     return balance(even.stage_costs, config.num_decoder_layers, hardware.memory_bytes)
 
 
-def local_hardware(config) -> Hardware:
-    """The devices this process trains on, for the trainer's own planning (`auto` keys)."""
-    import jax
-
-    from MaxText.flops import peak_tflops
-
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return cpu_hardware(config.num_devices)
-    stats = device.memory_stats() or {}
-    kind = device.device_kind.lower()
-    base = next((h for name, h in HARDWARE.items() if name in kind), HARDWARE["h100"])
-    return dataclasses.replace(
-        base,
-        name=device.device_kind,
-        memory_bytes=float(stats.get("bytes_limit", base.memory_bytes)),
-        peak_tflops=peak_tflops(config, device.platform, device.device_kind).tflops,
-    )
-
-
 def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None):
-    """`pipeline_schedule=auto` / `num_pipeline_microbatches=auto`: the config with the fastest
-    predicted (schedule, virtual stages, microbatches) that fits (`schedule_choice`, from one plan
-    of the defaults), logged with the runner-up. The choice is appended to `argv` and the config
-    loaded again, so it is validated like a typed one."""
+    """`pipeline_schedule=auto` / `num_pipeline_microbatches=auto`: the fastest predicted
+    (schedule, virtual stages, microbatches) that fits (`schedule_choice`, from one plan of the
+    defaults), logged with the runner-up. Returns (config, keys): the choice as `key=value`
+    strings appended to `argv` and the config loaded again, so it is validated like a typed one."""
     from MaxText.config import load_config
     from MaxText.schedule_choice import choose, microbatch_options
 
     if not (config.is_pipelined and (config.schedule_auto or config.microbatches_auto)):
-        return config
+        return config, []
     base = base or plan_pipelined(config, hardware)
     schedules = _all_schedules() if config.schedule_auto else [config.pipeline_schedule]
     if config.microbatches_auto:
@@ -450,50 +483,64 @@ def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None)
     ranked = choose(base.baseline, hardware.memory_bytes, schedules, counts)
     if not ranked:
         log.info("auto schedule: no candidate for this batch; keeping %s", config.pipeline_schedule)
-        return config
+        return config, []
     log.info("auto schedule: %s", ranked[0].describe())
     if len(ranked) > 1:
         log.info("runner-up: %s", ranked[1].describe())
     best = ranked[0]
-    return load_config(
-        [
-            *argv,
-            f"pipeline_schedule={best.schedule}",
-            f"num_pipeline_repeats={best.repeats}",
-            f"num_pipeline_microbatches={best.microbatches}",
-        ]
-    )
+    keys = [
+        f"pipeline_schedule={best.schedule}",
+        f"num_pipeline_repeats={best.repeats}",
+        f"num_pipeline_microbatches={best.microbatches}",
+    ]
+    return load_config([*argv, *keys]), keys
 
 
 def resolve_auto(argv, config, hardware: Hardware | None = None):
-    """The trainer's config with every "auto" key decided: the schedule and microbatches first
-    (`resolve_schedule`), then `pipeline_stage_layers=auto` from a plan of that schedule."""
-    if not config.is_pipelined:
-        return config
-    needs_schedule = config.schedule_auto or config.microbatches_auto
-    if not needs_schedule and config.pipeline_stage_layers != "auto":
+    """The trainer's config with every "auto" key decided, in the planner's order: schedule and
+    microbatches (`resolve_schedule`), then `pipeline_stage_layers=auto` from a plan of that
+    schedule, then `remat_policy=auto` (`plan_remat_auto`) on that split. Each decision is logged
+    and appended to `argv` as a typed key, and the config is loaded again."""
+    from MaxText.config import load_config
+
+    split_auto = config.is_pipelined and config.pipeline_stage_layers == "auto"
+    if not (config.schedule_auto or config.microbatches_auto or split_auto or config.remat_auto):
         return config
     hardware = hardware or local_hardware(config)
-    config = resolve_schedule(argv, config, hardware)
-    if config.pipeline_stage_layers != "auto":
-        return config
-    base = plan_pipelined(config, hardware)
-    split = auto_stage_layers(config, base, hardware)
-    if split is None:
-        log.info(
-            "pipeline_stage_layers=auto: no split fits %s per device; keeping %s",
-            _size(hardware.memory_bytes),
-            base.stage_layers,
-        )
-        return config
-    log.info(
-        "pipeline_stage_layers=auto: %s (even split %s; predicted slowest stage %.3g s vs %.3g s)",
-        list(split),
-        base.stage_layers,
-        _slowest(base.stage_costs, split),
-        _slowest(base.stage_costs, base.stage_layers),
-    )
-    return dataclasses.replace(config, stage_layers=tuple(split))
+    config, keys = resolve_schedule(argv, config, hardware)
+    base = None
+    if split_auto:
+        base = plan_pipelined(config, hardware)
+        split = auto_stage_layers(config, base, hardware)
+        if split is None:
+            log.info(
+                "pipeline_stage_layers=auto: no split fits %s per device; keeping %s",
+                _size(hardware.memory_bytes),
+                base.stage_layers,
+            )
+            split = tuple(base.stage_layers)
+        else:
+            log.info(
+                "pipeline_stage_layers=auto: %s (even split %s; predicted slowest stage %.3g s "
+                "vs %.3g s)",
+                list(split),
+                base.stage_layers,
+                _slowest(base.stage_costs, split),
+                _slowest(base.stage_costs, base.stage_layers),
+            )
+        keys.append("pipeline_stage_layers=" + ",".join(map(str, split)))
+        config = load_config([*argv, *keys])
+        if list(split) != base.stage_layers:
+            base = None
+    if config.remat_auto:
+        if config.is_pipelined:
+            plan = plan_remat_auto(config, hardware, base or plan_pipelined(config, hardware))
+            keys.append("pipeline_stage_remat=" + ",".join(plan.stage_remat))
+        else:
+            plan = plan_spmd_remat_auto(config, hardware)
+            keys.append(f"remat_policy={plan.stage_remat[0]}")
+        config = load_config([*argv, *keys])
+    return config
 
 
 def _all_schedules() -> list[str]:
@@ -546,6 +593,10 @@ def format_plan(plan: Plan) -> str:
         f"predicted step {p['step_time_s']:.3f} s, bubble {100 * p['bubble']:.1f}%, "
         f"MFU {100 * p['mfu']:.1f}%"
     )
+    if plan.remat is not None:
+        rows.append(describe_remat(plan.remat))
+    elif plan.stage_remat and len(set(plan.stage_remat)) > 1:
+        rows.append(f"remat per stage {list(plan.stage_remat)}")
     if plan.compared is not None:
         e, a = plan.compared, plan
         rows.append(
@@ -592,7 +643,7 @@ def main(argv=None) -> int:
     }
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
     try:
-        config = resolve_schedule(rest, config, hardware)
+        config, _ = resolve_schedule(rest, config, hardware)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

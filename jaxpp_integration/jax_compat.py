@@ -171,3 +171,12 @@ def load_compiled_on(compiled, src_devices, dst_devices):
     return jax.stages.Compiled(
         relocated.load(), [], compiled.args_info, compiled.out_tree, no_kwargs=compiled._no_kwargs
     )
+
+
+def saved_residuals(fn, *args) -> list[tuple[object, bool]]:
+    """What reverse-mode differentiation of `fn(*args)` keeps from the forward pass for the
+    backward pass: (abstract value, is one of `args`) per residual. The public
+    `jax.ad_checkpoint.print_saved_residuals` only prints this list."""
+    from jax._src.ad_checkpoint import saved_residuals as _saved
+
+    return [(aval, why.startswith("from the argument")) for aval, why in _saved(fn, *args)]

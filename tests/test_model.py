@@ -230,6 +230,27 @@ def test_scanned_stages_are_one_scan_each_with_markers_between(remat):
     assert has_remat == [remat == "full"] * 4
 
 
+def test_pipeline_stage_remat_sets_each_stage_scan_policy():
+    """pipeline_stage_remat=full,none,minimal,none: remat (`remat2`) inside the scans of stages
+    0 and 2 only; unrolled, the layers of those stages are the rematerialised class."""
+    keys = (
+        "pipeline_parallelism=4",
+        "num_decoder_layers=7",
+        "pipeline_stage_remat=full,none,minimal,none",
+    )
+    config = small_config("scan_layers=true", *keys)
+    model, params = abstract_params(config)
+    with jaxpp_marker.stage_counting():
+        jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens(config)))(params)
+    bodies = [e.params["jaxpr"].jaxpr for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert ["remat2" in {q.primitive.name for q in b.eqns} for b in bodies] == [
+        True, False, True, False
+    ]  # fmt: skip
+    unrolled = small_config(*keys)
+    remat = [layers.layer_class(unrolled, stage=s) is not layers.DecoderLayer for s in range(4)]
+    assert remat == [True, False, True, False]
+
+
 def test_no_markers_without_pipeline():
     top, nested = _top_level_markers(small_config())
     assert top == [] and nested == []

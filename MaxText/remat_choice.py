@@ -1,0 +1,173 @@
+"""Rematerialisation per pipeline stage under a memory budget (`remat_policy=auto`).
+
+The first stages of a pipeline keep more microbatches in flight than the last (1F1B: p - s), so
+one policy for every stage either wastes recompute on the last stages or does not fit on the
+first. `remat_policy=auto` picks a policy per stage: on every group, the assignment with the least
+recomputed FLOPs whose predicted peak fits the device.
+
+Two inputs:
+
+- `layer_profile(config)`: per policy, what one decoder layer saves for its backward pass (the
+  residuals JAX keeps, `jax_compat.saved_residuals`, plus the layer's input, which the next
+  layer's backward needs whatever the policy) and the FLOPs of its forward + backward including
+  recomputation (the matmuls of the gradient's jaxpr, where recomputed forward work appears),
+  for one sequence of `max_target_length` tokens. Abstract: nothing is allocated or compiled.
+- a plan measured with known policies (`MaxText.plan`): each group's peak and activation bytes.
+
+Group g's activations change by what its stages save per microbatch row:
+    act_g(P) = act_g(B) + live_g x rows x mean over its stages s of n_s (a(P_s) - a(B_s))
+(B = the policies the plan was measured with, n_s layers of stage s, live_g the microbatches
+(x stages) in flight on g at its peak from the simulator, rows = one microbatch's rows per
+device); its predicted peak is peak_g(B) - act_g(B) + act_g(P). Tensor parallelism, which
+shards part of a layer's residuals, is ignored: the prediction errs towards more memory. The
+planner compiles the chosen policies again to check them (`MaxText.plan.plan_remat_auto`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+from MaxText.config_pipeline import REMAT_POLICIES
+
+# Beyond this many assignments for one group (5 ** stages), its stages share one policy.
+MAX_ASSIGNMENTS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCost:
+    """One decoder layer under one policy, per sequence (one batch row)."""
+
+    saved_bytes: int  # kept from forward to backward, the layer's input included
+    flops: float  # forward + backward, recomputation included
+
+
+@dataclasses.dataclass(frozen=True)
+class RematChoice:
+    policies: tuple[str, ...]  # per stage
+    peak_bytes: tuple[float, ...]  # predicted, per group
+    fits: bool
+    recompute_fraction: float  # extra layer FLOPs over remat_policy=none
+
+
+def layer_profile(config) -> dict[str, PolicyCost]:
+    """`PolicyCost` of every remat policy for `config`'s decoder layer (abstract evaluation)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpp_integration.jax_compat import saved_residuals
+    from MaxText import layers
+
+    length = config.max_target_length
+    x = jax.ShapeDtypeStruct((1, length, config.emb_dim), layers.dtype_of(config.dtype))
+    positions = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    x_bytes = length * config.emb_dim * x.dtype.itemsize  # the layer's input
+    out = {}
+    for policy in REMAT_POLICIES:
+        one = dataclasses.replace(config, remat_policy=policy, stage_remat=(policy,))
+        layer = layers.layer_class(one)(one)
+        params = jax.eval_shape(layer.init, jax.random.key(0), x, positions)
+
+        def apply(p, h, pos, layer=layer):
+            return layer.apply(p, h, pos)
+
+        def loss(p, h, pos, apply=apply):
+            return jnp.sum(apply(p, h, pos).astype(jnp.float32))
+
+        saved = sum(
+            math.prod(aval.shape) * aval.dtype.itemsize
+            for aval, is_argument in saved_residuals(apply, params, x, positions)
+            if not is_argument
+        )
+        grad = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x, positions)
+        out[policy] = PolicyCost(saved + x_bytes, matmul_flops(grad.jaxpr))
+    return out
+
+
+def matmul_flops(jaxpr) -> float:
+    """2 x M x N x K summed over every `dot_general` of `jaxpr` and its sub-jaxprs."""
+    from jax.extend.core import jaxprs_in_params
+
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval
+            k = math.prod(lhs.shape[d] for d in contract)
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+        for sub in jaxprs_in_params(eqn.params):
+            total += matmul_flops(sub)
+    return total
+
+
+def by_recompute(profile: dict[str, PolicyCost]) -> list[str]:
+    """Policies from the least recompute to the most (ties: the one saving less first)."""
+    return sorted(profile, key=lambda p: (profile[p].flops, profile[p].saved_bytes))
+
+
+def predict_activation(
+    measured: float,
+    units: float,
+    layers_of: Sequence[int],
+    measured_policies: Sequence[str],
+    policies: Sequence[str],
+    profile: dict[str, PolicyCost],
+) -> float:
+    """One group's activation bytes under `policies` from `measured` under `measured_policies`
+    (`units` = microbatch rows in flight per stage: live x rows; see the module doc)."""
+    delta = sum(
+        n * (profile[p].saved_bytes - profile[b].saved_bytes)
+        for n, b, p in zip(layers_of, measured_policies, policies)
+    )
+    return measured + units * delta / len(layers_of)
+
+
+def choose(
+    profile: dict[str, PolicyCost],
+    stage_layers: Sequence[int],
+    group_of: Sequence[int],
+    measured_policies: Sequence[str],
+    peak_bytes: Sequence[float],
+    activation_bytes: Sequence[float],
+    units: Sequence[float],
+    memory_bytes: float,
+) -> RematChoice:
+    """Per group, the policies of its stages with the least recompute that fit `memory_bytes`
+    (the most memory-saving ones if none does; `fits` is then False)."""
+    order = by_recompute(profile)
+    policies = list(measured_policies)
+    peaks = list(peak_bytes)
+    fits = True
+    for g in range(len(peak_bytes)):
+        stages = [s for s, owner in enumerate(group_of) if owner == g]
+        n = [stage_layers[s] for s in stages]
+        base = [measured_policies[s] for s in stages]
+        if len(order) ** len(stages) <= MAX_ASSIGNMENTS:
+            options = list(itertools.product(order, repeat=len(stages)))
+        else:
+            options = [(p,) * len(stages) for p in order]
+        best = None
+        for option in options:
+            act = predict_activation(activation_bytes[g], units[g], n, base, option, profile)
+            peak = peak_bytes[g] - activation_bytes[g] + act
+            extra = sum(k * profile[p].flops for k, p in zip(n, option))
+            key = (peak > memory_bytes, extra if peak <= memory_bytes else peak, peak)
+            if best is None or key < best[0]:
+                best = (key, option, peak)
+        _, option, peak = best
+        fits = fits and peak <= memory_bytes
+        peaks[g] = peak
+        for s, p in zip(stages, option):
+            policies[s] = p
+    none = profile["none"].flops * sum(stage_layers)
+    spent = sum(n * profile[p].flops for n, p in zip(stage_layers, policies))
+    return RematChoice(tuple(policies), tuple(peaks), fits, spent / none - 1.0)
+
+
+def heavier(policy: str, profile: dict[str, PolicyCost]) -> str:
+    """The next policy saving less than `policy` (itself when none does)."""
+    saved = profile[policy].saved_bytes
+    less = [p for p in by_recompute(profile) if profile[p].saved_bytes < saved]
+    return min(less, key=lambda p: profile[p].flops) if less else policy
