@@ -138,3 +138,29 @@ def peak_tflops(config: Config, platform: str, device_kind: str) -> Peak:
 
 def mfu(achieved_tflops_per_device: float, peak: Peak) -> float:
     return achieved_tflops_per_device / peak.tflops if peak.tflops > 0 else 0.0
+
+
+def matmul_flops(jaxpr_or_eqns) -> float:
+    """2·M·N·K summed over every `dot_general` of a jaxpr (or a list of its equations) and of the
+    jaxprs inside them, a scan's body once per iteration. Counted on the program itself, so it
+    includes rematerialised work; XLA's `cost_analysis()` counts a loop's body only once, which
+    undercounts a `scan_layers=true` stage by its layer count."""
+    from jax.extend.core import jaxprs_in_params
+
+    eqns = getattr(jaxpr_or_eqns, "eqns", jaxpr_or_eqns)
+    total = 0.0
+    for eqn in eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval
+            k = 1
+            for d in contract:
+                k *= lhs.shape[d]
+            out = 1
+            for d in eqn.outvars[0].aval.shape:
+                out *= d
+            total += 2.0 * out * k
+        trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for sub in jaxprs_in_params(eqn.params):
+            total += trips * matmul_flops(sub)
+    return total

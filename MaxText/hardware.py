@@ -23,6 +23,10 @@ class Hardware:
     hbm_gbps: float  # device memory bandwidth, GB/s
     link_gbps: float  # stage-to-stage bandwidth per device, GB/s (pipelines usually cross nodes)
     efficiency: float = 0.6  # fraction of the peak a large matmul-bound task reaches
+    # task bytes from XLA's own cost analysis: true when the backend compiling the plan is the
+    # one that will run it (this host, or the trainer's own devices); a preset planned on a CPU
+    # host counts each task's arguments and outputs instead (see `MaxText.plan._cost`)
+    compiler_bytes: bool = False
 
     def task_seconds(self, flops: float, bytes_accessed: float) -> float:
         compute = flops / (self.peak_tflops * 1e12 * self.efficiency)
@@ -46,7 +50,15 @@ def cpu_hardware(num_devices: int) -> Hardware:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     cores = os.cpu_count() or 1
     peak = cores * _cpu_flops_per_cycle() * CPU_ASSUMED_GHZ * 1e9 / 1e12
-    return Hardware("cpu", pages / num_devices, peak / num_devices, 10.0, 2.0, efficiency=0.5)
+    return Hardware(
+        "cpu",
+        pages / num_devices,
+        peak / num_devices,
+        10.0,
+        2.0,
+        efficiency=0.5,
+        compiler_bytes=True,
+    )
 
 
 def local_hardware(config) -> Hardware:
@@ -64,6 +76,7 @@ def local_hardware(config) -> Hardware:
     return dataclasses.replace(
         base,
         name=device.device_kind,
+        compiler_bytes=True,
         memory_bytes=float(stats.get("bytes_limit", base.memory_bytes)),
         peak_tflops=peak_tflops(config, device.platform, device.device_kind).tflops,
     )

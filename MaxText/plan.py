@@ -121,11 +121,31 @@ def _state_kind(path) -> str:
     return "params" if getattr(path[1], "key", None) == "params" else "optimizer"
 
 
-def _cost(executable) -> tuple[float, float]:
+def _cost(executable, hardware: Hardware, jaxpr_or_eqns=None, devices: int = 1):
+    """(FLOPs, bytes) per device of one compiled program, for `hardware.task_seconds`.
+
+    FLOPs: XLA's `cost_analysis()` counts a loop's body once, so a scanned stage would look
+    `layers` times cheaper; the program's own matmul FLOPs (`flops.matmul_flops`, scans counted
+    per iteration, split over the `devices` running it) are used when larger. Bytes: XLA's bytes
+    accessed (scaled like the FLOPs) when the compiling backend is the one that will run
+    (`hardware.compiler_bytes`); for a preset planned elsewhere, the program's arguments and
+    outputs (`memory_analysis()`), the traffic any backend must do: XLA:CPU's fusion, and so
+    its traffic, says little about a GPU's."""
+    from MaxText.flops import matmul_flops
+
     ca = executable.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
     ca = ca or {}
-    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+    flops, nbytes = float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+    if jaxpr_or_eqns is not None:
+        counted = matmul_flops(jaxpr_or_eqns) / devices
+        if counted > flops:
+            nbytes *= counted / flops if flops else 1.0
+            flops = counted
+    if not hardware.compiler_bytes:
+        m = executable.memory_analysis()
+        nbytes = float(m.argument_size_in_bytes + m.output_size_in_bytes)
+    return flops, nbytes
 
 
 def plan_pipelined(config, hardware: Hardware) -> Plan:
@@ -163,11 +183,12 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     nbytes = memory.shard_bytes(prog, compiled.slot_sharding)
 
     temp, seconds = {}, {}
+    per_group = config.num_devices // prog.mpmd_dim  # devices running each task
     for idx, ins in enumerate(prog.instrs):
         if isinstance(ins, Run):
             exe = compiled.executables[idx]
             temp[idx] = int(exe.memory_analysis().temp_size_in_bytes)
-            seconds[idx] = hardware.task_seconds(*_cost(exe))
+            seconds[idx] = hardware.task_seconds(*_cost(exe, hardware, ins.code.eqns, per_group))
     peaks = memory.replay(prog, nbytes, temp_bytes=temp)
 
     n = prog.mpmd_dim
@@ -317,6 +338,7 @@ def plan_spmd(config, hardware: Hardware) -> Plan:
     }
     with jax.set_mesh(mesh), sharding.axis_rules():
         exe = jax.jit(step, donate_argnums=(0,)).lower(state_in, batch_in).compile()
+        jaxpr = jax.make_jaxpr(step)(state_in, batch_in)
 
     def per_device(tree):
         return sum(
@@ -330,7 +352,7 @@ def plan_spmd(config, hardware: Hardware) -> Plan:
     peak = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + temp)
     # SPMD: gradients and activations live inside XLA's temporaries
     groups = [GroupPlan(0, params, opt, 0, 0, temp, peak)]
-    step_time = hardware.task_seconds(*_cost(exe))
+    step_time = hardware.task_seconds(*_cost(exe, hardware, jaxpr.jaxpr, config.num_devices))
     return _finish(config, hardware, groups, None, step_time, 0.0)
 
 

@@ -59,6 +59,7 @@ def layer_profile(config) -> dict[str, PolicyCost]:
 
     from jaxpp_integration.jax_compat import saved_residuals
     from MaxText import layers
+    from MaxText.flops import matmul_flops
 
     length = config.max_target_length
     x = jax.ShapeDtypeStruct((1, length, config.emb_dim), layers.dtype_of(config.dtype))
@@ -84,22 +85,6 @@ def layer_profile(config) -> dict[str, PolicyCost]:
         grad = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x, positions)
         out[policy] = PolicyCost(saved + x_bytes, matmul_flops(grad.jaxpr))
     return out
-
-
-def matmul_flops(jaxpr) -> float:
-    """2 x M x N x K summed over every `dot_general` of `jaxpr` and its sub-jaxprs."""
-    from jax.extend.core import jaxprs_in_params
-
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval
-            k = math.prod(lhs.shape[d] for d in contract)
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-        for sub in jaxprs_in_params(eqn.params):
-            total += matmul_flops(sub)
-    return total
 
 
 def by_recompute(profile: dict[str, PolicyCost]) -> list[str]:

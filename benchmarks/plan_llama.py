@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "plan_llama.json"
 
-COMMON = ["dataset_type=synthetic", "pipeline_stage_layers=auto"]
+COMMON = ["dataset_type=synthetic", "pipeline_stage_layers=auto", "remat_policy=auto"]
 ROWS = {
     "llama2-7b pp4 fsdp2": [
         "model_name=llama2-7b",
