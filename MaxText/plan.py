@@ -71,6 +71,7 @@ class Plan:
     stage_remat: tuple = ()  # remat policy per stage
     live_microbatches: tuple = ()  # per group: microbatches (x stages) in flight at its peak
     remat: Any = None  # remat_choice.RematChoice when remat_policy=auto chose the policies
+    gradient_reduction: str = "step"
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -96,19 +97,24 @@ class Plan:
 
 
 def _suggestion(g: GroupPlan, plan: Plan) -> str:
+    """What to change for group `g` that does not fit, most effective first."""
+    tips = []
+    if plan.gradient_reduction == "step" and g.grad_bytes > 1.5 * g.params_bytes:
+        tips.append(
+            f"gradient_reduction=microbatch accumulates gradients sharded like the parameters "
+            f"({_size(g.grad_bytes)} -> about {_size(g.params_bytes)})"
+        )
     state = g.params_bytes + g.optimizer_bytes + g.grad_bytes
-    if state > plan.memory_bytes:
-        return (
-            f" (state alone is {_size(state)}: more pipeline stages "
-            f"(pipeline_parallelism) or ici_fsdp_parallelism shard it)"
+    if state > plan.memory_bytes / 2:
+        tips.append("more pipeline stages (pipeline_parallelism) or ici_fsdp_parallelism")
+    if g.activation_bytes + g.temp_bytes > g.peak_bytes / 3:
+        remat = "remat_policy=auto or full, " if set(plan.stage_remat) != {"full"} else ""
+        tips.append(
+            f"{remat}more num_pipeline_microbatches (smaller microbatches) or a smaller "
+            f"per_device_batch_size (activations {_size(g.activation_bytes)}, temporaries "
+            f"{_size(g.temp_bytes)})"
         )
-    if g.activation_bytes + g.temp_bytes > g.peak_bytes / 2:
-        return (
-            f" (activations {_size(g.activation_bytes)} + temporaries {_size(g.temp_bytes)}"
-            f": try remat_policy=full, more num_pipeline_microbatches (smaller microbatches), "
-            f"or a smaller per_device_batch_size)"
-        )
-    return " (try more pipeline stages, ici_fsdp_parallelism, or remat_policy=full)"
+    return f" (try {'; '.join(tips)})" if tips else " (try more pipeline stages or fsdp)"
 
 
 # ---------------------------------------------------------------------------------- building
@@ -378,6 +384,8 @@ def _finish(config, hardware, groups, schedule, step_time, bubble) -> Plan:
         groups=groups,
         predicted={"step_time_s": step_time, "bubble": bubble, "mfu": mfu},
         memory_bytes=hardware.memory_bytes,
+        stage_remat=tuple(config.stage_remat),
+        gradient_reduction=config.gradient_reduction,
     )
 
 

@@ -95,8 +95,12 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     lr_schedule: optax.Schedule,
     schedule: Any = None,
+    grad_specs: Any = None,
 ) -> Callable:
-    """The pure step function; `schedule` is the pipeline schedule (None when not pipelined)."""
+    """The pure step function; `schedule` is the pipeline schedule (None when not pipelined).
+    `grad_specs` (the parameters' PartitionSpecs, pipelined only) lays the gradient accumulators
+    out like the parameters: with `gradient_reduction=microbatch` each microbatch's gradients
+    are reduce-scattered over fsdp and accumulated sharded (`treduce(out_specs=...)`)."""
     grad_fn = jax.value_and_grad(make_loss_fn(model), has_aux=True)
     m = config.num_pipeline_microbatches
 
@@ -109,7 +113,11 @@ def make_train_step(
             return loss_sum, count, grads
 
         loss_sum, count, grads = jaxpp.treduce(
-            microbatch_grads, microbatches, schedule=schedule, operation=jaxpp.Add
+            microbatch_grads,
+            microbatches,
+            schedule=schedule,
+            operation=jaxpp.Add,
+            out_specs=None if grad_specs is None else (None, None, grad_specs),
         )
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -339,7 +347,9 @@ def pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh
 
     schedule = schedule_from_name(config.pipeline_schedule, config.num_stages, config.mesh_pipeline)
     return jaxpp.mpmd_jit_with_loop(
-        make_train_step(config, model, optimizer, lr_schedule, schedule=schedule),
+        make_train_step(
+            config, model, optimizer, lr_schedule, schedule=schedule, grad_specs=specs["params"]
+        ),
         mpmd_mesh=mpmd_mesh,
         in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}),
         out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),

@@ -50,6 +50,22 @@ ROWS = {
         "global_batch_size=128",
         "num_pipeline_microbatches=16",
     ],
+    "llama2-70b pp8 fsdp8 microbatch": [
+        "model_name=llama2-70b",
+        "pipeline_parallelism=8",
+        "ici_fsdp_parallelism=8",
+        "global_batch_size=128",
+        "num_pipeline_microbatches=16",
+        "gradient_reduction=microbatch",
+    ],
+    "llama2-70b pp4 fsdp8 microbatch": [
+        "model_name=llama2-70b",
+        "pipeline_parallelism=4",
+        "ici_fsdp_parallelism=8",
+        "global_batch_size=64",
+        "num_pipeline_microbatches=8",
+        "gradient_reduction=microbatch",
+    ],
 }
 
 

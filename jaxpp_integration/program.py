@@ -148,9 +148,12 @@ class _Builder:
         return self.body_out_avals[j] if self.deferred[j] else self.loop_eqn.outvars[j].aval
 
     def acc_spec(self, j, unconstrained=False):
+        """The layout of accumulator j: a deferred partial sum's [D, ...] split over its axes,
+        else the user's `treduce(out_specs=...)` entry (None: left to XLA)."""
         axes = self.deferred[j]
         if axes is None:
-            return None
+            specs = self.loop_eqn.params.get("acc_specs")
+            return specs[j] if specs else None
         rest = [PartitionSpec.UNCONSTRAINED if unconstrained else None] * (
             len(self.body_out_avals[j].shape) - 1
         )
@@ -222,7 +225,7 @@ class _Builder:
                     # a fresh host array, not a view of a device array (a Fill could alias it)
                     init = self.ops[j].host_init(self.n_mb, body_out_avals[j])
                     self.instrs.append(Fill(self.acc_slot[j], r, init))
-                    if self.deferred[j]:
+                    if self.acc_spec(j) is not None:
                         self.slot_spec[self.acc_slot[j]] = self.acc_spec(j)
                 continue
             reads = _reads(eqns)

@@ -38,8 +38,15 @@ def pipelined_tracing():
         _PIPELINED.reset(token)
 
 
-def treduce(fn, xs, schedule=None, axis: int = 0, operation=(Concat(), Add)):
-    """Runs `fn` over the microbatches of `xs` and reduces the outputs leaf-wise."""
+def treduce(fn, xs, schedule=None, axis: int = 0, operation=(Concat(), Add), out_specs=None):
+    """Runs `fn` over the microbatches of `xs` and reduces the outputs leaf-wise.
+
+    `out_specs` (a pytree prefix of the outputs: `PartitionSpec`s or None) is a layout for the
+    accumulators under `mpmd_jit_with_loop` with `gradient_reduction="microbatch"`: each
+    microbatch's output is constrained to it on its group, so a gradient sharded like its
+    parameter is reduce-scattered and accumulated sharded instead of all-reduced into a full
+    copy per device. Values are unchanged; plain `jax.jit` ignores it, and so do deferred
+    (`"step"`) partial sums, which are full-size per device by construction."""
     leaves, xs_tree = jax.tree.flatten(xs)
     if not leaves:
         raise ValueError("treduce needs at least one array in xs to split into microbatches")
@@ -59,6 +66,19 @@ def treduce(fn, xs, schedule=None, axis: int = 0, operation=(Concat(), Add)):
         out_example = jax.eval_shape(body, *mb_avals)
     ops = broadcast_operations(operation, out_example)
     out_tree = jax.tree.structure(out_example)
+    acc_specs = None
+    if out_specs is not None:
+        acc_specs = tuple(
+            jax.tree.leaves(
+                jax.tree.map(
+                    lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+                    out_specs,
+                    out_example,
+                    is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec),
+                ),
+                is_leaf=lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec),
+            )
+        )
 
     flat_body = lambda *a: jax.tree.leaves(body(*a))
     scope = marker.stage_counting() if _PIPELINED.get() else contextlib.nullcontext()
@@ -74,6 +94,7 @@ def treduce(fn, xs, schedule=None, axis: int = 0, operation=(Concat(), Add)):
         axis=axis,
         ops=ops,
         schedule=schedule,
+        acc_specs=acc_specs,
     )
     return jax.tree.unflatten(out_tree, outs)
 
@@ -101,9 +122,9 @@ def microbatch(x, index, axis):
     return lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
 
 
-def run_loop(*args, body, n_consts, n_microbatches, axis, ops, schedule):
+def run_loop(*args, body, n_consts, n_microbatches, axis, ops, schedule, acc_specs=None):
     """The reference semantics: an ordinary loop over microbatches."""
-    del schedule
+    del schedule, acc_specs
     consts, xs = args[:n_consts], args[n_consts:]
     accs = [op.init(n_microbatches, aval) for op, aval in zip(ops, body.out_avals)]
     body_fn = jaxpr_as_fun(body)

@@ -9,6 +9,7 @@ same numbers in another order, so the losses agree to float rounding (1e-6), not
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from small_model import SMALL_MODEL
@@ -81,3 +82,37 @@ def test_trainer_fsdp_weights_gathered_once(tmp_path):
     assert task_collectives(once.train_step, "gather_", "all-gather") > 0
     assert loop(base) >= 4 and loop(base) % 4 == 0
     np.testing.assert_allclose(_losses(config, once), _losses(config, base), rtol=1e-6, atol=0)
+
+
+def test_microbatch_reduction_accumulates_gradients_sharded_like_parameters(tmp_path):
+    """gradient_reduction=microbatch at fsdp=2: each microbatch's gradients are reduced to one
+    fsdp shard per device (XLA:CPU: an all-reduce and a slice; GPU backends form a
+    reduce-scatter) and the accumulators hold that shard, so every group's
+    gradient bytes equal its parameter bytes (the plan's replay of the program, against the
+    parameter shards' bytes read from the trainer's state); with "step" the deferred partial
+    sums are full-size per device: twice the parameters. Losses agree to rounding (1e-6)."""
+    from MaxText import plan
+
+    extra = ("ici_fsdp_parallelism=2",)
+    config, per_mb = _trainer(tmp_path, 4, "microbatch", *extra)
+    _, step_mode = _trainer(tmp_path, 4, "step", *extra)
+    hardware = plan.cpu_hardware(config.num_devices)
+    planned = {
+        mode: plan.plan_compiled(config, hardware, t.train_step, t.abstract_state)
+        for mode, t in (("microbatch", per_mb), ("step", step_mode))
+    }
+    last = len(planned["step"].groups) - 1
+    for g in planned["microbatch"].groups:
+        # + the loss-sum and token-count scalars (float32) on the last stage's group
+        assert g.grad_bytes == g.params_bytes + (8 if g.group == last else 0), g
+    for g in planned["step"].groups:
+        assert g.grad_bytes > 1.9 * g.params_bytes, g  # full-size partial sums per device
+    p = planned["microbatch"]
+    state = per_mb.init_state()
+    shard_bytes = sum(
+        leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state["params"])
+    )
+    assert sum(g.params_bytes for g in p.groups) == shard_bytes
+    np.testing.assert_allclose(
+        _losses(config, step_mode), _losses(config, per_mb), rtol=1e-6, atol=0
+    )
