@@ -25,6 +25,11 @@ from typing import Any
 
 import yaml
 
+from MaxText.config_checks import (  # noqa: F401  (ATTENTION_KERNELS: re-exported)
+    ATTENTION_KERNELS,
+    validate_attention_and_profiler,
+    validate_data,
+)
 from MaxText.config_pipeline import REMAT_POLICIES, derive_pipeline, stage_layer_counts  # noqa: F401
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
 from MaxText.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values
@@ -144,7 +149,7 @@ class Config:
     async_checkpointing: bool
     max_num_checkpoints_to_keep: int
     load_parameters_path: str
-    # ---- data (MaxText names; validated by `_validate_data`)
+    # ---- data (MaxText names; validated by `config_checks.validate_data`)
     dataset_type: str
     dataset_path: str
     dataset_name: str
@@ -166,7 +171,7 @@ class Config:
     decode_sampling_strategy: str
     decode_sampling_temperature: float
     decode_sampling_top_k: int
-    # attention kernel and profiler (MaxText's keys; validated in _validate_attention_and_profiler)
+    # attention kernel and profiler (MaxText's keys; validated in config_checks)
     attention: str
     attention_block_size: int
     profiler: str
@@ -462,38 +467,6 @@ def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) 
     _fill_one(values, PARALLELISM_KEYS, available_devices // dcn, "devices")
 
 
-# ------------------------------------------------------- attention kernel and profiler keys
-
-ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
-PROFILERS = ("", "xplane")
-
-
-def _validate_attention_and_profiler(v: dict[str, Any]) -> None:
-    """`attention`, `attention_block_size`, `profiler`, `profiler_steps`,
-    `skip_first_n_steps_for_profiler` (whether cudnn_flash has a GPU: `devices.setup`)."""
-    if v["attention"] not in ATTENTION_KERNELS:
-        match = difflib.get_close_matches(v["attention"], ATTENTION_KERNELS, n=1, cutoff=0.5)
-        hint = f"; did you mean '{match[0]}'?" if match else ""
-        raise ConfigError(
-            f"attention={v['attention']} is not one of {' | '.join(ATTENTION_KERNELS)}{hint}"
-        )
-    if v["attention_block_size"] < 1:
-        raise ConfigError(f"attention_block_size={v['attention_block_size']}: must be >= 1")
-    if v["profiler"] == "nsys":
-        raise ConfigError(
-            "profiler=nsys is not supported here: run train.py under `nsys profile` yourself, "
-            "or use profiler=xplane"
-        )
-    if v["profiler"] not in PROFILERS:
-        raise ConfigError(f"profiler={v['profiler']} is not one of '' (off) | xplane")
-    if v["profiler_steps"] < 1:
-        raise ConfigError(f"profiler_steps={v['profiler_steps']}: must be >= 1")
-    if v["skip_first_n_steps_for_profiler"] < 0:
-        raise ConfigError(
-            f"skip_first_n_steps_for_profiler={v['skip_first_n_steps_for_profiler']}: must be >= 0"
-        )
-
-
 def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
     v = values
     apply_maxtext_values(v)
@@ -549,7 +522,7 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
         )
     if v["per_device_batch_size"] <= 0:
         raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: must be > 0")
-    _validate_data(v)
+    validate_data(v)
     _resolve_parallelism(v, None)
     for axis in MESH_AXES:
         v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
@@ -621,45 +594,6 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     return v
 
 
-# ------------------------------------------------------------------------------------ data keys
-
-# MaxText's tokenizer_type values this trainer does not read, with the reason.
-UNSUPPORTED_TOKENIZER_TYPES = {
-    "huggingface": "only sentencepiece models are read (tokenizer_path=*.model)",
-    "tiktoken": "only sentencepiece models are read (tokenizer_path=*.model)",
-}
-
-
-def _validate_data(v: dict[str, Any]) -> None:
-    """The data block's checks (dataset_type is checked with the other choices)."""
-    if v["tokenizer_type"] in UNSUPPORTED_TOKENIZER_TYPES:
-        raise ConfigError(
-            f"tokenizer_type={v['tokenizer_type']} is not supported here: "
-            f"{UNSUPPORTED_TOKENIZER_TYPES[v['tokenizer_type']]}"
-        )
-    if v["tokenizer_type"] != "sentencepiece":
-        raise ConfigError(f"tokenizer_type={v['tokenizer_type']} is not one of sentencepiece")
-    if v["grain_worker_count"] < 0:
-        raise ConfigError(f"grain_worker_count={v['grain_worker_count']}: must be >= 0")
-    if v["dataset_type"] == "grain" and not v["grain_train_files"]:
-        raise ConfigError(
-            "dataset_type=grain needs grain_train_files= (a glob of *.array_record shards written "
-            "by python -m MaxText.data.prepare)"
-        )
-    if v["dataset_type"] == "grain" and v["eval_interval"] > 0 and not v["grain_eval_files"]:
-        raise ConfigError(
-            f"eval_interval={v['eval_interval']} needs held-out data: set grain_eval_files= (e.g. "
-            "the eval-*.array_record of prepare --eval_fraction) or eval_interval=0"
-        )
-    if not v["train_split"]:
-        raise ConfigError("train_split= must name a split (MaxText's default: train)")
-    if not v["packing"] and v["dataset_type"] in ("text", "tfds"):
-        raise ConfigError(
-            f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
-            "concatenates documents into windows; use dataset_type=grain for one document per row"
-        )
-
-
 def load_config(argv: Sequence[str]) -> Config:
     """Builds the Config from `argv = [yaml_path, "key=value", ...]` (see the module docstring)."""
     if not argv:
@@ -691,5 +625,5 @@ def load_config(argv: Sequence[str]) -> Config:
         for key, (value, source) in values.items()
     }
     derived = _validate_and_derive(typed, config_path)
-    _validate_attention_and_profiler(derived)
+    validate_attention_and_profiler(derived)
     return Config(**derived)
