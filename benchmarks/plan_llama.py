@@ -117,6 +117,32 @@ def main() -> None:
         OUT.write_text(json.dumps(results, indent=1))
     for r in results.values():
         print(f"## {r['name']} ({r['plan_seconds']} s)\n{r['text']}")
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    """The README's table, from the saved results."""
+    import re
+
+    lines = [
+        "| row | stage split | remat per stage (auto) | largest peak per device | predicted step "
+        "| bubble | MFU | plan time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results.values():
+        plan = r["plan"]
+        peak = max(g["peak_bytes"] for g in plan["groups"]) / 1e9
+        remat = re.search(r"remat per stage \[(.*?)\]", r["text"])
+        remat = remat.group(1).replace("'", "") if remat else ""
+        split = plan["stage_layers"]
+        split = f"{split[0]} x {len(split)}" if len(set(split)) == 1 else ",".join(map(str, split))
+        p = plan["predicted"]
+        lines.append(
+            f"| {r['name']} | {split} | {remat} | {peak:.1f} GB "
+            f"({'fits' if plan['fits'] else 'does not fit'}) | {p['step_time_s']:.2f} s | "
+            f"{100 * p['bubble']:.1f} % | {100 * p['mfu']:.1f} % | {r['plan_seconds']:.0f} s |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
