@@ -44,6 +44,7 @@ import grain
 import numpy as np
 
 from MaxText.data import doc_packing
+from MaxText.data import iterator as iterator_lib
 from MaxText.data import prepare as prepare_lib
 from MaxText.data.errors import DataError, DataNotFoundError
 
@@ -228,18 +229,7 @@ class GrainBatchIterator(Iterator[dict[str, np.ndarray]]):
                 "the saved data iterator state is not a dataset_type=grain state of this version; "
                 "resume with the data options the checkpoint was written with"
             )
-        saved = state.get("fingerprint", {})
-        diffs = [
-            f"{k}: saved {saved.get(k)!r}, now {v!r}"
-            for k, v in self._fingerprint.items()
-            if saved.get(k) != v
-        ]
-        if diffs:
-            raise ValueError(
-                "cannot restore the data position: the checkpoint was made with different data "
-                f"({'; '.join(diffs)}); restore with the original data options or start a new run "
-                "from its parameters only"
-            )
+        iterator_lib.check_fingerprint(state, self._fingerprint)
         self._close()
         self._window, self._row, self._rows = int(state["window"]), int(state["row"]), None
 

@@ -36,6 +36,23 @@ def derived_seed(seed: int, purpose: str) -> int:
     return int(np.random.SeedSequence([int(seed) % 2**63, *words]).generate_state(1)[0])
 
 
+def check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    """Raises ValueError naming every key of `fingerprint` whose value differs from the one saved
+    in `state["fingerprint"]` (the data a saved iterator state belongs to)."""
+    saved = state.get("fingerprint", {})
+    diffs = [
+        f"{k}: saved {saved.get(k)!r}, now {v!r}"
+        for k, v in fingerprint.items()
+        if saved.get(k) != v
+    ]
+    if diffs:
+        raise ValueError(
+            "cannot restore the data position: the checkpoint was made with different data "
+            f"({'; '.join(diffs)}); restore with the original data options or start a new run "
+            "from its parameters only"
+        )
+
+
 class ShuffledOrder:
     """Maps a global example position to a window id: a new permutation of windows per epoch."""
 
@@ -96,18 +113,7 @@ class BatchIterator(Iterator[Batch]):
                 f"data iterator state version {state.get('version')!r} is not {STATE_VERSION}; "
                 "it was written by an incompatible version of MaxText.data"
             )
-        saved = state.get("fingerprint", {})
-        diffs = [
-            f"{k}: saved {saved.get(k)!r}, now {v!r}"
-            for k, v in self._fingerprint.items()
-            if saved.get(k) != v
-        ]
-        if diffs:
-            raise ValueError(
-                "cannot restore the data position: the checkpoint was made with different data "
-                f"({'; '.join(diffs)}); restore with the original data options or start a new run "
-                "from its parameters only"
-            )
+        check_fingerprint(state, self._fingerprint)
         position = state.get("position")
         if not isinstance(position, int) or position < 0:
             raise ValueError(f"data iterator state has an invalid position {position!r}")
