@@ -56,7 +56,7 @@ DCN_KEYS = (
     "dcn_pipeline_parallelism",
 )
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Config.mesh_<axis>
-# Keys the trainer may resolve itself by planning (MaxText/plan.py) when set to "auto".
+# Keys the trainer may resolve itself by planning (MaxText/plan_auto.py) when set to "auto".
 AUTO_KEYS = ("num_pipeline_microbatches",)
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -202,8 +202,8 @@ class Config:
     num_stages: int = _derived(1)  # pipeline stages = pipeline groups x repeats
     stage_layers: tuple[int, ...] = _derived(())  # decoder layers in each stage
     microbatch_size: int = _derived(1)  # global_batch_size / num_pipeline_microbatches
-    # "auto" keys, resolved by the trainer through the planner (MaxText/plan.py); until then the
-    # config holds the defaults they replace (1f1b; 2 x stages microbatches)
+    # "auto" keys, resolved by the trainer through the planner (MaxText/plan_auto.py); until
+    # then the config holds the defaults they replace (1f1b; 2 x stages microbatches)
     schedule_auto: bool = _derived(False)
     microbatches_auto: bool = _derived(False)
     remat_auto: bool = _derived(False)  # remat_policy=auto ("full" until resolved)

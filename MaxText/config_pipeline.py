@@ -4,7 +4,7 @@
 `stage_layers`, `stage_remat`, `microbatch_size`, the `*_auto` flags) in the raw values dict that
 `MaxText.config` builds; every error is a `ConfigError` naming the key and the fix. "auto" values
 (`pipeline_schedule`, `num_pipeline_microbatches`, `pipeline_stage_layers`, `remat_policy`) keep a
-safe default here and are decided later by the planner (`MaxText.plan.resolve_auto`).
+safe default here and are decided later by the planner (`MaxText.plan_auto.resolve_auto`).
 """
 
 from __future__ import annotations

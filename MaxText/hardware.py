@@ -25,7 +25,7 @@ class Hardware:
     efficiency: float = 0.6  # fraction of the peak a large matmul-bound task reaches
     # task bytes from XLA's own cost analysis: true when the backend compiling the plan is the
     # one that will run it (this host, or the trainer's own devices); a preset planned on a CPU
-    # host counts each task's arguments and outputs instead (see `MaxText.plan._cost`)
+    # host counts each task's arguments and outputs instead (see `MaxText.plan_step._cost`)
     compiler_bytes: bool = False
 
     def task_seconds(self, flops: float, bytes_accessed: float) -> float:

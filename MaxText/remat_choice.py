@@ -20,7 +20,7 @@ Group g's activations change by what its stages save per microbatch row:
 (x stages) in flight on g at its peak from the simulator, rows = one microbatch's rows per
 device); its predicted peak is peak_g(B) - act_g(B) + act_g(P). Tensor parallelism, which
 shards part of a layer's residuals, is ignored: the prediction errs towards more memory. The
-planner compiles the chosen policies again to check them (`MaxText.plan.plan_remat_auto`).
+planner compiles the chosen policies again to check them (`MaxText.plan_auto.plan_remat_auto`).
 """
 
 from __future__ import annotations

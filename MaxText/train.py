@@ -203,7 +203,7 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    from MaxText.plan import resolve_auto
+    from MaxText.plan_auto import resolve_auto
 
     config = resolve_auto(argv, config)  # "auto" schedule, microbatches, stage split
     mesh = sharding.make_mesh(config, devs)

@@ -4,7 +4,7 @@ every schedule.
     python benchmarks/plan_validation.py [--models tiny,small] [--pp 2,4]   (~15 min on 2 cores)
 
 Per row, in one process per (model, pp) (each needs its own number of emulated devices):
-- planned: `MaxText.plan.make_plan` (what `python -m MaxText.plan` prints: the step compiled on
+- planned: `MaxText.plan_auto.make_plan` (what `python -m MaxText.plan` prints: the step compiled on
   abstract inputs), per group `live_peak_bytes` (live values at every instruction) and
   `peak_bytes` (plus the largest XLA temporaries of the group's tasks);
 - measured: the trainer's own step (`train_step.build_trainer`, real parameters, one step on a
@@ -62,13 +62,14 @@ def measure(keys: list[str]) -> dict:
     import jax
     import numpy as np
 
-    from MaxText import plan, sharding
+    from MaxText import plan_auto, sharding
     from MaxText.config import CONFIGS_DIR, load_config
+    from MaxText.hardware import cpu_hardware
     from MaxText.train_step import _batch_shapes, build_trainer, measured_train_step
 
     config = load_config([str(CONFIGS_DIR / "base.yml"), *keys])
     t0 = time.perf_counter()
-    planned = plan.make_plan(config, plan.cpu_hardware(config.num_devices))
+    planned = plan_auto.make_plan(config, cpu_hardware(config.num_devices))
     plan_s = time.perf_counter() - t0
     trainer = build_trainer(config, sharding.make_mesh(config, jax.devices()[: config.num_devices]))
     batch = trainer.put_batch(

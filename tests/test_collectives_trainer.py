@@ -91,14 +91,15 @@ def test_microbatch_reduction_accumulates_gradients_sharded_like_parameters(tmp_
     gradient bytes equal its parameter bytes (the plan's replay of the program, against the
     parameter shards' bytes read from the trainer's state); with "step" the deferred partial
     sums are full-size per device: twice the parameters. Losses agree to rounding (1e-6)."""
-    from MaxText import plan
+    from MaxText import plan_step
+    from MaxText.hardware import cpu_hardware
 
     extra = ("ici_fsdp_parallelism=2",)
     config, per_mb = _trainer(tmp_path, 4, "microbatch", *extra)
     _, step_mode = _trainer(tmp_path, 4, "step", *extra)
-    hardware = plan.cpu_hardware(config.num_devices)
+    hardware = cpu_hardware(config.num_devices)
     planned = {
-        mode: plan.plan_compiled(config, hardware, t.train_step, t.abstract_state)
+        mode: plan_step.plan_compiled(config, hardware, t.train_step, t.abstract_state)
         for mode, t in (("microbatch", per_mb), ("step", step_mode))
     }
     last = len(planned["step"].groups) - 1

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from small_model import SMALL_MODEL
 
-from MaxText import devices, plan
+from MaxText import devices, plan, plan_auto, plan_step
 from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.hardware import HARDWARE, cpu_hardware
 from MaxText.model import Decoder
 
 BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
@@ -56,8 +57,8 @@ def pp2_plan():
     config = _config(
         "pipeline_parallelism=2", "num_pipeline_microbatches=4", "pipeline_stage_layers=1,3"
     )
-    hardware = plan.cpu_hardware(config.num_devices)
-    return config, plan.make_plan(config, hardware)
+    hardware = cpu_hardware(config.num_devices)
+    return config, plan_auto.make_plan(config, hardware)
 
 
 def test_pipelined_plan_state_bytes_match_the_model(pp2_plan):
@@ -98,7 +99,7 @@ def test_auto_split_is_the_best_split_under_the_measured_costs(pp2_plan):
     config, p = pp2_plan
     c = p.stage_costs
     assert c.seconds_per_layer > 0 and len(c.extra_seconds) == 2
-    split = plan.auto_stage_layers(config, p, plan.cpu_hardware(config.num_devices))
+    split = plan_auto.auto_stage_layers(config, p, cpu_hardware(config.num_devices))
     best = min(max(c.stage_seconds(s, n) for s, n in enumerate((k, 4 - k))) for k in range(1, 4))
     assert max(c.stage_seconds(s, n) for s, n in enumerate(split)) == pytest.approx(best)
     # 1 layer on stage 0 vs 3 on stage 1 (which also runs the head) is not balanced
@@ -107,7 +108,7 @@ def test_auto_split_is_the_best_split_under_the_measured_costs(pp2_plan):
 
 def test_spmd_plan_counts_all_parameters_on_one_group():
     config = _config()
-    p = plan.make_plan(config, plan.cpu_hardware(config.num_devices))
+    p = plan_auto.make_plan(config, cpu_hardware(config.num_devices))
     (g,) = p.groups
     assert g.params_bytes == sum(_param_bytes_per_stage(config))
     assert 2 * g.params_bytes <= g.optimizer_bytes <= 2 * g.params_bytes + 256
@@ -162,7 +163,7 @@ def test_trainer_resolves_auto_schedule_microbatches_and_split(caplog):
     ]
     config = _config(*argv[1:])
     caplog.set_level("INFO", logger="MaxText")
-    got = plan.resolve_auto(argv, config, plan.cpu_hardware(config.num_devices))
+    got = plan_auto.resolve_auto(argv, config, cpu_hardware(config.num_devices))
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("auto schedule: ") for line in lines), lines
     assert any(line.startswith("runner-up: ") for line in lines), lines
@@ -217,8 +218,8 @@ def test_planned_peak_within_10_percent_of_measured(tmp_path, schedule, pp, repe
         }
     )
     _, _, measured = measured_train_step(trainer, state, batch)
-    p = plan.plan_compiled(
-        config, plan.cpu_hardware(config.num_devices), trainer.train_step, trainer.abstract_state
+    p = plan_step.plan_compiled(
+        config, cpu_hardware(config.num_devices), trainer.train_step, trainer.abstract_state
     )
     planned = [g.live_peak_bytes for g in p.groups]
     for g, (want, got) in enumerate(zip(measured, planned)):
@@ -238,9 +239,9 @@ def test_scan_counts_every_layer():
     assert matmul_flops(jaxpr.jaxpr) == 5 * 2 * 8 * 16 * 16
 
     # compute-bound (bandwidth unlimited), so that the step time follows the FLOPs
-    hardware = dataclasses.replace(plan.HARDWARE["h100"], hbm_gbps=1e12, link_gbps=1e12)
+    hardware = dataclasses.replace(HARDWARE["h100"], hbm_gbps=1e12, link_gbps=1e12)
     times = {}
     for scanned in ("true", "false"):
         config = _config("pipeline_parallelism=2", f"scan_layers={scanned}", "emb_dim=256")
-        times[scanned] = plan.make_plan(config, hardware).predicted["step_time_s"]
+        times[scanned] = plan_auto.make_plan(config, hardware).predicted["step_time_s"]
     assert abs(times["true"] / times["false"] - 1) < 0.10, times

@@ -10,9 +10,10 @@ import random
 import pytest
 from small_model import SMALL_MODEL
 
-from MaxText import devices, plan
+from MaxText import devices, plan, plan_auto, plan_step
 from MaxText import remat_choice as rc
 from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.hardware import cpu_hardware
 
 BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
 
@@ -108,11 +109,11 @@ def test_first_stages_get_at_least_as_much_remat_as_later_ones():
 def compiled_by_policy():
     """The small model at pp=2 planned (compiled) with remat full, none and minimal."""
     config = _config("pipeline_parallelism=2", "num_pipeline_microbatches=4", "remat_policy=full")
-    hardware = plan.cpu_hardware(config.num_devices)
+    hardware = cpu_hardware(config.num_devices)
     plans = {}
     for policy in ("full", "none", "minimal"):
         one = dataclasses.replace(config, remat_policy=policy, stage_remat=(policy,) * 2)
-        plans[policy] = plan.plan_pipelined(one, hardware)
+        plans[policy] = plan_step.plan_pipelined(one, hardware)
     return config, hardware, plans
 
 
@@ -149,7 +150,7 @@ def test_planner_picks_the_policy_the_compiled_programs_say_fits(compiled_by_pol
     assert peak["minimal"] < peak["none"]
     budget = (peak["minimal"] + peak["none"]) / 2 * 1.02
     auto = dataclasses.replace(config, remat_auto=True)
-    got = plan.plan_remat_auto(
+    got = plan_auto.plan_remat_auto(
         auto, dataclasses.replace(hardware, memory_bytes=budget), plans["full"]
     )
     profile = rc.layer_profile(config)
@@ -162,7 +163,7 @@ def test_planner_picks_the_policy_the_compiled_programs_say_fits(compiled_by_pol
     tight = dataclasses.replace(
         hardware, memory_bytes=0.9 * min(g.peak_bytes for g in plans["full"].groups)
     )
-    none_fit = plan.plan_remat_auto(auto, tight, plans["full"])
+    none_fit = plan_auto.plan_remat_auto(auto, tight, plans["full"])
     assert not none_fit.fits and none_fit.stage_remat == ("full", "full")
     assert "does not fit" in plan.format_plan(none_fit)
 
@@ -175,13 +176,13 @@ def test_trainer_resolves_remat_auto_to_typed_keys(caplog):
     config = _config(*argv[1:])
     assert config.remat_auto and config.stage_remat == ("full", "full")
     caplog.set_level("INFO", logger="MaxText")
-    got = plan.resolve_auto(argv, config, plan.cpu_hardware(config.num_devices))
+    got = plan_auto.resolve_auto(argv, config, cpu_hardware(config.num_devices))
     assert not got.remat_auto and got.stage_remat == ("none", "none")
     assert got.pipeline_stage_remat == "none,none"
     assert any(r.getMessage().startswith("remat_policy=auto: ") for r in caplog.records)
 
     spmd = _config("remat_policy=auto")
-    got = plan.resolve_auto([*BASE, "remat_policy=auto"], spmd, plan.cpu_hardware(1))
+    got = plan_auto.resolve_auto([*BASE, "remat_policy=auto"], spmd, cpu_hardware(1))
     assert got.remat_policy == "none" and not got.remat_auto
 
 
