@@ -19,11 +19,13 @@ from jaxpp_integration.schedules import Phase, ScheduleError, Task
 
 def test_fsdp_inside_stages_equals_jit():
     """(stage=2, fsdp=2): params sharded P("fsdp") inside each group; reference is jax.jit with
-    the same sharding on a 2-device fsdp mesh. Losses are bitwise at every step, and so are the
-    first step's gradients and parameters. The momentum is not: the sharded clip-and-momentum
-    update is fused differently in the after-loop program, ~2 ulps (1e-7 of the leaf) from step
-    0 on, and from step 1 those ulps reach parameters and gradients. Every leaf is held to 1e-6
-    of its own scale at every step."""
+    the same sharding on a 2-device fsdp mesh. Losses are bitwise at every step; every leaf is
+    held to 1e-6 of its own scale at every step, not bitwise: the stage programs and the
+    after-loop clip-and-momentum update are fused differently from jit's whole step. Where
+    depends on the host's XLA:CPU code generation: on one CI host the first step's gradients
+    and parameters were bitwise and only the momentum differed (~2 ulps, 1e-7 of the leaf); on
+    an AVX2 host the layer gradients differ from step 0 (1.4e-7 of the leaf, with
+    gradient_reduction "step" and "microbatch" alike)."""
     schedule = jaxpp.Std1F1B(2)
     params, batch, loss_fn = tied_mlp_setup(2, 4, width=16)
     opt = clipping_sgd()
@@ -47,8 +49,6 @@ def test_fsdp_inside_stages_equals_jit():
         p_out = compiled(*p, batch)
         assert_bitwise(r_out[2], p_out[2], f"loss of step {k}")
         assert_close_per_leaf(r_out, p_out, rtol=1e-6, what=f"step {k}: ")
-        if k == 0:  # before the momentum's ulps feed back into the parameters
-            assert_bitwise((r_out[0], r_out[3]), (p_out[0], p_out[3]), "step 0 params, grads: ")
         r, p = r_out[:2], p_out[:2]
     w = p_out[0]["layers"][0]
     assert w.sharding.spec == P("fsdp")

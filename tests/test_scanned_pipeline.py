@@ -206,19 +206,20 @@ def test_scanned_pipeline_is_bitwise_for_every_schedule(tmp_path, schedule):
 
 
 @pytest.mark.slow
-def test_one_layer_stages_agree_within_2e6(tmp_path):
-    """DualPipeV with one layer per stage (4 layers, 4 stages): within 2e-6 per leaf, not bitwise
-    (1e-6 before the activation-sharding rules held inside stages; Adam's `nu`, a square, now
-    measures 1.03e-6 of its leaf).
+def test_one_layer_stages_agree_within_5e6(tmp_path):
+    """DualPipeV with one layer per stage (4 layers, 4 stages): within 5e-6 per leaf, not bitwise.
 
     XLA's while-loop simplifier inlines a scan of one trip, so the layer's ops fuse with their
     neighbours across the stage boundary as unrolled layers do, and the per-stage program orders
-    one reduction differently from `jax.jit`'s whole step: measured, the first RMSNorm's scale
-    gradient of stage 0 differs by 1-2 ulp (the cause tests/test_train.py names for unrolled
-    pipelines), which Adam carries into its moment; every other leaf stays within ~1e-7.
+    reductions differently from `jax.jit`'s whole step (the cause tests/test_train.py names for
+    unrolled pipelines): gradients differ by a few ulps, which Adam carries into its moments
+    (`nu`, a square, doubles the relative difference) and, dividing by sqrt(nu), into the
+    parameters. How far depends on the host's XLA:CPU code generation: measured largest leaf
+    difference 1.03e-6 of its leaf on one CI host, 2.55e-6 on an AVX2 host (a `nu` of stage 1's
+    query kernel; the token embedding's parameters 1.93e-6).
     """
     config, trainer, state = run_against_jit(
-        tmp_path, "dualpipev", "num_pipeline_repeats=2", rtol=2e-6
+        tmp_path, "dualpipev", "num_pipeline_repeats=2", rtol=5e-6
     )
     assert config.stage_layers == (1, 1, 1, 1)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES["dualpipev"])
