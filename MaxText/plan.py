@@ -56,14 +56,16 @@ def format_plan(plan: Plan) -> str:
     elif plan.stage_remat and len(set(plan.stage_remat)) > 1:
         rows.append(f"remat per stage {list(plan.stage_remat)}")
     if plan.compared is not None:
-        e, a = plan.compared, plan
-        rows.append(
-            f"stage split: even {e.stage_layers} -> auto {a.stage_layers}: step "
-            f"{e.predicted['step_time_s']:.3f} s -> {a.predicted['step_time_s']:.3f} s "
-            f"({e.predicted['step_time_s'] / a.predicted['step_time_s']:.2f}x); largest peak "
-            f"{format_bytes(max(g.peak_bytes for g in e.groups))} -> "
-            f"{format_bytes(max(g.peak_bytes for g in a.groups))}"
-        )
+        rows.append("stage split, even vs auto:")
+        even_time = plan.compared.predicted["step_time_s"]
+        for label, q in (("even", plan.compared), ("auto", plan)):
+            t = q.predicted["step_time_s"]
+            rows.append(
+                f"  {label}: layers {','.join(map(str, q.stage_layers))}; remat "
+                f"{','.join(q.stage_remat)}; step {t:.3f} s ({even_time / t:.2f}x); largest "
+                f"peak {format_bytes(max(g.peak_bytes for g in q.groups))}"
+                + ("" if q.fits else " (does not fit)")
+            )
     return "\n".join(rows)
 
 
@@ -101,11 +103,11 @@ def main(argv=None) -> int:
     }
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
     try:
-        config, _ = resolve_schedule(rest, config, hardware)
+        config, _, base = resolve_schedule(rest, config, hardware)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    plan = make_plan(config, hardware)
+    plan = make_plan(config, hardware, base)
     print(format_plan(plan))
     if args.json_path:
         with open(args.json_path, "w") as f:

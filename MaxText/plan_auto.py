@@ -16,32 +16,98 @@ import dataclasses
 import logging
 
 from MaxText.hardware import Hardware, local_hardware
-from MaxText.plan_step import Plan, format_bytes, plan_pipelined, plan_spmd
+from MaxText.plan_step import Plan, plan_pipelined, plan_spmd
 
 log = logging.getLogger("MaxText")
 
 
-def make_plan(config, hardware: Hardware) -> Plan:
-    """The plan for `config` (devices must already exist: see `main`), every "auto" key decided
-    as the trainer decides it. With `pipeline_stage_layers=auto` the even split is planned
-    first, `stage_balance` picks the split from its costs, and that split is planned (compiled)
-    again; `.compared` holds the even plan for the side-by-side view. With `remat_policy=auto`
-    the policies per stage are chosen last (`plan_remat_auto`)."""
+def make_plan(config, hardware: Hardware, base: Plan | None = None) -> Plan:
+    """The plan for `config` (devices must already exist: see `MaxText.plan.main`), every
+    "auto" key decided as the trainer decides it (`base`: this config already planned)."""
     if not config.is_pipelined:
         return (
             plan_spmd_remat_auto(config, hardware)
             if config.remat_auto
             else plan_spmd(config, hardware)
         )
-    plan = plan_pipelined(config, hardware)
-    if config.pipeline_stage_layers == "auto":
-        split = auto_stage_layers(config, plan, hardware)
-        if split is not None and list(split) != plan.stage_layers:
-            config = dataclasses.replace(config, stage_layers=tuple(split))
-            plan = dataclasses.replace(plan_pipelined(config, hardware), compared=plan)
+    return plan_layout(config, hardware, base)
+
+
+def plan_layout(config, hardware: Hardware, base: Plan | None = None) -> Plan:
+    """`pipeline_stage_layers=auto` and `remat_policy=auto` on a pipeline, decided and planned.
+
+    The configured split (even, unless counts are given) is planned first (`base`). With a fixed
+    remat, `stage_balance.balance` picks the split from base's measured costs. With
+    `remat_policy=auto` too, split and policies are chosen together
+    (`stage_balance.balance_with_options` over `remat_choice.with_policy_options`), and the even
+    split with policies chosen for it (`plan_remat_auto`) is the alternative. The chosen split is
+    compiled and planned again; it is kept only if it fits and is predicted faster than the
+    even split (or the even split does not fit), and `.compared` holds the even plan for the
+    side-by-side view. With only `remat_policy=auto`, `plan_remat_auto` on the base."""
+    from MaxText import remat_choice as rc
+    from MaxText.stage_balance import balance_with_options
+
+    base = base or plan_pipelined(config, hardware)
+    if config.pipeline_stage_layers != "auto":
+        return plan_remat_auto(config, hardware, base) if config.remat_auto else base
+    even = plan_remat_auto(config, hardware, base) if config.remat_auto else base
+    costs = base.stage_costs
     if config.remat_auto:
-        plan = plan_remat_auto(config, hardware, plan)
-    return plan
+        rows = config.microbatch_size / config.data_parallel_devices
+        costs = rc.with_policy_options(
+            costs,
+            rc.layer_profile(config),
+            config.stage_layers,
+            base.stage_remat,
+            [live * rows for live in base.live_microbatches],
+        )
+    found = balance_with_options(costs, config.num_decoder_layers, hardware.memory_bytes)
+    if found is None or list(found.split) == base.stage_layers:
+        why = "no other split fits" if found is None else "the even split is the best"
+        log.info("pipeline_stage_layers=auto: %s; keeping %s", why, base.stage_layers)
+        return even
+    chosen = dataclasses.replace(config, stage_layers=found.split, remat_auto=False)
+    if config.remat_auto:
+        chosen = dataclasses.replace(chosen, stage_remat=found.policies)
+    plan = plan_pipelined(chosen, hardware)
+    if config.remat_auto:
+        if not plan.fits:  # the prediction missed: move its groups to heavier policies
+            plan = plan_remat_auto(dataclasses.replace(chosen, remat_auto=True), hardware, plan)
+        else:
+            plan = dataclasses.replace(plan, remat=_remat_report(chosen, plan))
+    faster = plan.predicted["step_time_s"] < even.predicted["step_time_s"]
+    if plan.fits and (faster or not even.fits):
+        log.info(
+            "pipeline_stage_layers=auto: %s (even split %s): predicted step %.3g s vs %.3g s",
+            plan.stage_layers,
+            base.stage_layers,
+            plan.predicted["step_time_s"],
+            even.predicted["step_time_s"],
+        )
+        return dataclasses.replace(plan, compared=even)
+    log.info(
+        "pipeline_stage_layers=auto: %s planned at %.3g s per step%s; keeping %s",
+        plan.stage_layers,
+        plan.predicted["step_time_s"],
+        "" if plan.fits else " and does not fit",
+        base.stage_layers,
+    )
+    return dataclasses.replace(even, compared=None)
+
+
+def _remat_report(config, plan: Plan):
+    """`remat_choice.RematChoice` describing `plan`'s policies per stage."""
+    from MaxText import remat_choice as rc
+
+    profile = rc.layer_profile(config)
+    spent = sum(n * profile[p].flops for n, p in zip(plan.stage_layers, plan.stage_remat))
+    none = sum(plan.stage_layers) * profile["none"].flops
+    return rc.RematChoice(
+        tuple(plan.stage_remat),
+        tuple(g.peak_bytes for g in plan.groups),
+        plan.fits,
+        spent / none - 1.0,
+    )
 
 
 def plan_remat_auto(config, hardware: Hardware, base: Plan) -> Plan:
@@ -129,13 +195,14 @@ def auto_stage_layers(config, even: Plan, hardware: Hardware):
 def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None):
     """`pipeline_schedule=auto` / `num_pipeline_microbatches=auto`: the fastest predicted
     (schedule, virtual stages, microbatches) that fits (`schedule_choice`, from one plan of the
-    defaults), logged with the runner-up. Returns (config, keys): the choice as `key=value`
-    strings appended to `argv` and the config loaded again, so it is validated like a typed one."""
+    defaults), logged with the runner-up. Returns (config, keys, plan): the choice as `key=value`
+    strings appended to `argv`, the config loaded again with them (validated like a typed one),
+    and the plan of that config when it is the one already planned (else None)."""
     from MaxText.config import load_config
     from MaxText.schedule_choice import choose, microbatch_options
 
     if not (config.is_pipelined and (config.schedule_auto or config.microbatches_auto)):
-        return config, []
+        return config, [], base
     base = base or plan_pipelined(config, hardware)
     schedules = _all_schedules() if config.schedule_auto else [config.pipeline_schedule]
     if config.microbatches_auto:
@@ -145,7 +212,7 @@ def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None)
     ranked = choose(base.baseline, hardware.memory_bytes, schedules, counts)
     if not ranked:
         log.info("auto schedule: no candidate for this batch; keeping %s", config.pipeline_schedule)
-        return config, []
+        return config, [], base
     log.info("auto schedule: %s", ranked[0].describe())
     if len(ranked) > 1:
         log.info("runner-up: %s", ranked[1].describe())
@@ -155,61 +222,43 @@ def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None)
         f"num_pipeline_repeats={best.repeats}",
         f"num_pipeline_microbatches={best.microbatches}",
     ]
-    return load_config([*argv, *keys]), keys
+    chosen = load_config([*argv, *keys])
+    same = (chosen.pipeline_schedule, chosen.num_pipeline_repeats, chosen.num_pipeline_microbatches)
+    planned = (
+        config.pipeline_schedule,
+        config.num_pipeline_repeats,
+        config.num_pipeline_microbatches,
+    )
+    return chosen, keys, base if same == planned else None
 
 
 def resolve_auto(argv, config, hardware: Hardware | None = None):
     """The trainer's config with every "auto" key decided, in the planner's order: schedule and
-    microbatches (`resolve_schedule`), then `pipeline_stage_layers=auto` from a plan of that
-    schedule, then `remat_policy=auto` (`plan_remat_auto`) on that split. Each decision is logged
-    and appended to `argv` as a typed key, and the config is loaded again."""
+    microbatches (`resolve_schedule`), then the split and remat per stage of that schedule
+    (`plan_layout`). Each decision is logged and appended to `argv` as a typed key, and the
+    config is loaded again."""
     from MaxText.config import load_config
 
     split_auto = config.is_pipelined and config.pipeline_stage_layers == "auto"
     if not (config.schedule_auto or config.microbatches_auto or split_auto or config.remat_auto):
         return config
     hardware = hardware or local_hardware(config)
-    config, keys = resolve_schedule(argv, config, hardware)
-    base = None
-    if split_auto:
-        base = plan_pipelined(config, hardware)
-        split = auto_stage_layers(config, base, hardware)
-        if split is None:
-            log.info(
-                "pipeline_stage_layers=auto: no split fits %s per device; keeping %s",
-                format_bytes(hardware.memory_bytes),
-                base.stage_layers,
-            )
-            split = tuple(base.stage_layers)
-        else:
-            log.info(
-                "pipeline_stage_layers=auto: %s (even split %s; predicted slowest stage %.3g s "
-                "vs %.3g s)",
-                list(split),
-                base.stage_layers,
-                _slowest(base.stage_costs, split),
-                _slowest(base.stage_costs, base.stage_layers),
-            )
-        keys.append("pipeline_stage_layers=" + ",".join(map(str, split)))
-        config = load_config([*argv, *keys])
-        if list(split) != base.stage_layers:
-            base = None
-    if config.remat_auto:
-        if config.is_pipelined:
-            plan = plan_remat_auto(config, hardware, base or plan_pipelined(config, hardware))
-            keys.append("pipeline_stage_remat=" + ",".join(plan.stage_remat))
-        else:
+    config, keys, base = resolve_schedule(argv, config, hardware)
+    if not config.is_pipelined:
+        if config.remat_auto:
             plan = plan_spmd_remat_auto(config, hardware)
             keys.append(f"remat_policy={plan.stage_remat[0]}")
-        config = load_config([*argv, *keys])
-    return config
+        return load_config([*argv, *keys]) if keys else config
+    if split_auto or config.remat_auto:
+        plan = plan_layout(config, hardware, base)
+        if split_auto:
+            keys.append("pipeline_stage_layers=" + ",".join(map(str, plan.stage_layers)))
+        if config.remat_auto or plan.stage_remat != tuple(config.stage_remat):
+            keys.append("pipeline_stage_remat=" + ",".join(plan.stage_remat))
+    return load_config([*argv, *keys])
 
 
 def _all_schedules() -> list[str]:
     from MaxText.config import PIPELINE_SCHEDULES
 
     return list(PIPELINE_SCHEDULES)
-
-
-def _slowest(costs, split) -> float:
-    return max(costs.stage_seconds(s, n) for s, n in enumerate(split))

@@ -34,6 +34,9 @@ from MaxText.hardware import GB, Hardware
 
 log = logging.getLogger("MaxText")
 
+# the time of a task with no work of its own (and the floor of `Hardware.task_seconds`)
+NO_WORK_S = 1e-9
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
@@ -192,7 +195,7 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     peaks = memory.replay(prog, nbytes, temp_bytes=temp)
 
     n = prog.mpmd_dim
-    params, opt, layer_state = [0] * n, [0] * n, [0] * n
+    params, opt, layer_params = [0] * n, [0] * n, [0] * n
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((abstract_state, 0))[0]][:-1]
     for path, slots in zip(paths, prog.inputs):
         kind = _state_kind(path)
@@ -202,8 +205,8 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
                 params[r] += nbytes[s]
             elif kind == "optimizer":
                 opt[r] += nbytes[s]
-            if in_layer and kind != "batch":  # + its gradient accumulator for weights
-                layer_state[r] += nbytes[s] * (2 if kind == "params" else 1)
+            if in_layer and kind == "params":
+                layer_params[r] += nbytes[s]
     zeros = (0,) * n
     groups = []
     for r in range(n):
@@ -239,12 +242,12 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
             transfer_bytes = max(transfer_bytes, nbytes[ins.dst])
     for stage in range(schedule.num_stages):  # a task with no work of its own (the last
         for phase in Phase:  # stage's backward folded into its forward) costs nothing
-            per_task.setdefault((phase, stage), 1e-9)
+            per_task.setdefault((phase, stage), NO_WORK_S)
     costs = Costs(transfer=transfer_bytes / (hardware.link_gbps * GB), per_task=per_task or None)
     sim = simulate(schedule, config.num_pipeline_microbatches, costs)
     step_time = sim.makespan + max(outside)
     out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
-    stage_costs = _stage_costs(config, schedule, per_task, groups, layer_state)
+    stage_costs = _stage_costs(config, schedule, per_task, groups, layer_params)
     baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
     return dataclasses.replace(
         out,
@@ -260,8 +263,8 @@ def _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outsi
     from jaxpp_integration.schedules import Phase
     from MaxText.schedule_choice import Baseline
 
-    fwd = sum(t for (phase, _), t in per_task.items() if phase is Phase.FWD and t > 1e-6)
-    total = sum(t for t in per_task.values() if t > 1e-6)
+    fwd = sum(t for (phase, _), t in per_task.items() if phase is Phase.FWD and t > NO_WORK_S)
+    total = sum(t for t in per_task.values() if t > NO_WORK_S)
     layers = list(config.stage_layers)
     stages0 = [s for s in range(len(layers)) if schedule.stage_to_rank(s) == 0]
     mean0 = sum(layers[s] for s in stages0) / len(stages0)
@@ -284,7 +287,7 @@ def _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outsi
     )
 
 
-def _stage_costs(config, schedule, per_task, groups, layer_state):
+def _stage_costs(config, schedule, per_task, groups, layer_params):
     """The linear per-stage cost model `stage_balance` needs, read off this split's plan."""
     from MaxText.stage_balance import StageCosts
 
@@ -292,7 +295,7 @@ def _stage_costs(config, schedule, per_task, groups, layer_state):
     num_stages = len(layers)
     group_of = tuple(schedule.stage_to_rank(s) for s in range(num_stages))
     stage_time = [
-        sum(t for (_, stage), t in per_task.items() if stage == s and t > 1e-6)
+        sum(t for (_, stage), t in per_task.items() if stage == s and t > NO_WORK_S)
         for s in range(num_stages)
     ]
     middle = range(1, num_stages - 1)
@@ -304,13 +307,23 @@ def _stage_costs(config, schedule, per_task, groups, layer_state):
     layers_on = [0] * len(groups)
     for s, g in enumerate(group_of):
         layers_on[g] += layers[s]
-    state_per_layer = sum(layer_state) / sum(layers)
+    # What a group holds at its peak besides activations and temporaries is state (parameters,
+    # optimizer state, gradient accumulators, and at an optimizer-time peak their updated
+    # copies); the decoder layers' share of it, by their share of the group's parameters,
+    # grows with the group's layers.
+    state_per_layer = [
+        (g.peak_bytes - g.activation_bytes - g.temp_bytes)
+        * (layer_params[i] / g.params_bytes if g.params_bytes else 0.0)
+        / layers_on[i]
+        for i, g in enumerate(groups)
+    ]
     act_per_layer = tuple(groups[g].activation_bytes / layers_on[g] for g in group_of)
     fixed = tuple(
-        g.peak_bytes - layers_on[i] * state_per_layer - g.activation_bytes
+        g.peak_bytes - layers_on[i] * state_per_layer[i] - g.activation_bytes
         for i, g in enumerate(groups)
     )
-    return StageCosts(per_layer, extra, state_per_layer, act_per_layer, fixed, group_of)
+    state = tuple(state_per_layer[g] for g in group_of)
+    return StageCosts(per_layer, extra, state, act_per_layer, fixed, group_of)
 
 
 def plan_spmd(config, hardware: Hardware) -> Plan:

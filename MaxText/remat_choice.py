@@ -151,6 +151,51 @@ def choose(
     return RematChoice(tuple(policies), tuple(peaks), fits, spent / none - 1.0)
 
 
+def with_policy_options(
+    costs,
+    profile: dict[str, PolicyCost],
+    stage_layers: Sequence[int],
+    measured_policies: Sequence[str],
+    units: Sequence[float],
+    policies: Sequence[str] | None = None,
+):
+    """`costs` (a `stage_balance.StageCosts` measured on `stage_layers` with `measured_policies`)
+    with a `LayerOption` per remat policy on every stage, for choosing split and remat together.
+
+    Seconds per layer scale with the policy's FLOPs (`seconds_per_layer` was measured on the
+    middle stages, or on the first of two); activation bytes per layer are the policy's saved
+    bytes x the microbatch rows in flight on the stage (`units[g]`, its group's, shared by the
+    group's stages); what a group's measured activations hold beyond its layers' (the
+    embedding's output, the logits) moves to its fixed bytes, so at the measured split and
+    policies the bytes are the measured ones."""
+    from MaxText.stage_balance import LayerOption
+
+    num_stages = len(stage_layers)
+    policies = list(policies or by_recompute(profile))
+    reference = range(1, num_stages - 1) if num_stages > 2 else range(1)
+    ref_flops = sum(stage_layers[s] * profile[measured_policies[s]].flops for s in reference)
+    seconds_per_flop = costs.seconds_per_layer * sum(stage_layers[s] for s in reference) / ref_flops
+    stages_on = [costs.group_of.count(g) for g in range(len(costs.fixed_bytes))]
+    extra, fixed, options = list(costs.extra_seconds), list(costs.fixed_bytes), []
+    for s, (n, b) in enumerate(zip(stage_layers, measured_policies)):
+        g = costs.group_of[s]
+        rows = units[g] / stages_on[g]
+        # the stage's layers under b cost n * flops(b), not n * seconds_per_layer
+        extra[s] = max(
+            0.0, extra[s] + n * (costs.seconds_per_layer - seconds_per_flop * profile[b].flops)
+        )
+        fixed[g] += n * (costs.activation_bytes_per_layer[s] - rows * profile[b].saved_bytes)
+        options.append(
+            tuple(
+                LayerOption(p, seconds_per_flop * profile[p].flops, rows * profile[p].saved_bytes)
+                for p in policies
+            )
+        )
+    return dataclasses.replace(
+        costs, extra_seconds=tuple(extra), fixed_bytes=tuple(fixed), options=tuple(options)
+    )
+
+
 def heavier(policy: str, profile: dict[str, PolicyCost]) -> str:
     """The next policy saving less than `policy` (itself when none does)."""
     saved = profile[policy].saved_bytes

@@ -191,3 +191,81 @@ def test_pipeline_stage_remat_errors():
         _config("pipeline_parallelism=2", "pipeline_stage_remat=full")
     with pytest.raises(Exception, match="'nope' is not one of"):
         _config("pipeline_parallelism=2", "pipeline_stage_remat=full,nope")
+
+
+@pytest.mark.slow
+def test_split_and_remat_chosen_together_beat_remat_on_the_even_split(caplog):
+    """`pipeline_stage_layers=auto` with `remat_policy=auto`: split and policies chosen together.
+
+    16 scanned layers on 2 stages (stage 0 holds 2 microbatches, stage 1 one), activations
+    dominating memory. A budget is taken where the cost model (`with_policy_options`) says one
+    layer off stage 0 with lighter remat beats remat on the even split; then the compiled plans
+    decide: the chosen split's compiled peaks fit the budget and agree with the model's
+    prediction, and its predicted step is faster than the even split's with policies chosen for
+    it (`plan_remat_auto`, also compiled). H100 compute with unbounded bandwidths, so that task
+    times follow FLOPs as the model assumes."""
+    from MaxText.hardware import HARDWARE
+    from MaxText.stage_balance import balance_with_options
+
+    config = _config(
+        "pipeline_parallelism=2",
+        "num_decoder_layers=16",
+        "scan_layers=true",
+        "max_target_length=512",
+        "emb_dim=128",
+        "mlp_dim=384",
+        "num_pipeline_microbatches=4",
+        "remat_policy=auto",
+        "pipeline_stage_layers=auto",
+    )
+    hardware = dataclasses.replace(HARDWARE["h100"], hbm_gbps=1e12, link_gbps=1e12)
+    base = plan_step.plan_pipelined(config, hardware)
+    assert base.stage_layers == [8, 8] and base.stage_remat == ("full", "full")
+    rows = config.microbatch_size / config.data_parallel_devices
+    costs = rc.with_policy_options(
+        base.stage_costs,
+        rc.layer_profile(config),
+        config.stage_layers,
+        base.stage_remat,
+        [live * rows for live in base.live_microbatches],
+    )
+    # at the measured split and policies the model gives the measured bytes
+    measured = [g.peak_bytes for g in base.groups]
+    full = [next(o for o in costs.stage_options(s) if o.policy == "full") for s in range(2)]
+    assert costs.group_bytes([8, 8], full) == pytest.approx(measured, rel=1e-9)
+    top, order = max(measured), rc.by_recompute(rc.layer_profile(config))
+
+    def fastest_fitting(stage, layers, budget):
+        share = budget - costs.fixed_bytes[stage]
+        fits = [
+            o for o in costs.stage_options(stage) if costs.stage_bytes(stage, layers, o) <= share
+        ]
+        return min(fits, key=lambda o: o.seconds).policy if fits else None
+
+    for step in range(1, 60):  # the smallest budget where stage 0 moves a layer for less remat
+        budget = top * (1 + 0.05 * step)
+        found = balance_with_options(costs, 16, budget)
+        on_even = fastest_fitting(0, 8, budget)
+        if found and on_even and order.index(found.policies[0]) < order.index(on_even):
+            break
+    else:
+        pytest.fail("the cost model never trades a layer for remat")
+    assert found.split[0] < 8
+    caplog.set_level("INFO", logger="MaxText")
+    got = plan_auto.plan_layout(config, dataclasses.replace(hardware, memory_bytes=budget), base)
+    even = got.compared
+    assert got.stage_layers == list(found.split) and got.stage_remat == found.policies
+    assert even is not None and even.stage_layers == [8, 8] and even.fits
+    assert got.fits and all(g.peak_bytes <= budget for g in got.groups)
+    # the model keeps the measured (full remat's, the largest) temporaries: its peak is not
+    # below the compiled one by more than 2 %, and without temporaries within 10 % of it
+    predicted = costs.group_bytes(found.split, found.options)
+    for g, b, want in zip(got.groups, base.groups, predicted):
+        assert g.peak_bytes <= 1.02 * want, (g, want)
+        live = want - b.temp_bytes
+        assert abs(g.live_peak_bytes - live) <= 0.10 * g.live_peak_bytes, (g, live)
+    assert got.predicted["step_time_s"] < even.predicted["step_time_s"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith(f"pipeline_stage_layers=auto: {got.stage_layers}") for line in lines)
+    text = plan.format_plan(got)
+    assert "stage split, even vs auto:" in text and "  auto: layers " in text

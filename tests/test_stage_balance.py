@@ -3,12 +3,19 @@ every contiguous split, and the `pipeline_stage_layers` key."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
 from MaxText.config import CONFIGS_DIR, ConfigError, load_config
-from MaxText.stage_balance import StageCosts, balance, parse_stage_layers
+from MaxText.stage_balance import (
+    LayerOption,
+    StageCosts,
+    balance,
+    balance_with_options,
+    parse_stage_layers,
+)
 
 
 def compositions(total, parts):
@@ -34,7 +41,7 @@ def costs(extra, act, state=1.0, fixed=None, per_layer=1.0, group_of=None):
     group_of = tuple(range(n)) if group_of is None else tuple(group_of)
     groups = max(group_of) + 1
     return StageCosts(
-        per_layer, tuple(extra), state, tuple(act), tuple(fixed or [0.0] * groups), group_of
+        per_layer, tuple(extra), (state,) * n, tuple(act), tuple(fixed or [0.0] * groups), group_of
     )
 
 
@@ -131,3 +138,83 @@ def test_memory_pushes_layers_off_the_first_stage():
     assert balance(c, 12, memory_bytes=100.0) == (3, 3, 3, 3)
     split = balance(c, 12, memory_bytes=8.0)
     assert split[0] == 2 and slowest(c, split) == 4.0 == brute_force(c, 12, 8.0)[0]
+
+
+# ------------------------------------------------------------------ split and remat together
+
+
+def with_options(c: StageCosts, table):
+    """`c` with the same remat options on every stage: table = [(policy, seconds, act/layer)]
+    scaled per stage by `c.activation_bytes_per_layer[s]` (the in-flight microbatches)."""
+    options = tuple(
+        tuple(LayerOption(p, t, a * c.activation_bytes_per_layer[s]) for p, t, a in table)
+        for s in range(len(c.extra_seconds))
+    )
+    return dataclasses.replace(c, options=options)
+
+
+def brute_force_with_options(c: StageCosts, num_layers, memory):
+    """Every split x every assignment of options to stages: the smallest slowest stage, then the
+    least total time, among those that fit."""
+    best = None
+    for split in compositions(num_layers, len(c.extra_seconds)):
+        for chosen in itertools.product(*(c.stage_options(s) for s in range(len(split)))):
+            if any(b > memory for b in c.group_bytes(split, chosen)):
+                continue
+            times = [c.stage_seconds(s, n, o) for s, (n, o) in enumerate(zip(split, chosen))]
+            key = (max(times), sum(times))
+            if best is None or key < best[0]:
+                best = (key, split, chosen)
+    return best
+
+
+REMAT = [("none", 1.0, 1.0), ("minimal", 1.1, 0.4), ("full", 1.3, 0.1)]
+
+
+@pytest.mark.parametrize("memory", [9.0, 12.0, 16.0, 24.0, 60.0])
+@pytest.mark.parametrize(
+    "extra,act",
+    [
+        ([0.2, 0, 0, 0.6], [4.0, 3.0, 2.0, 1.0]),  # 1F1B on 4 groups: p - s in flight
+        ([0, 0, 0, 2.0], [4.0, 3.0, 2.0, 1.0]),  # a heavy output head
+        ([0, 0, 0, 0], [1.0, 1.0, 1.0, 1.0]),
+    ],
+)
+def test_split_and_remat_together_match_brute_force(extra, act, memory):
+    c = with_options(costs(extra, act, state=0.5, fixed=[1.0, 0.0, 0.0, 1.5]), REMAT)
+    want = brute_force_with_options(c, 12, memory)
+    got = balance_with_options(c, 12, memory)
+    assert (got is None) == (want is None), (got, want)
+    if got is None:
+        return
+    assert sum(got.split) == 12 and min(got.split) >= 1
+    assert all(b <= memory for b in c.group_bytes(got.split, got.options))
+    times = [c.stage_seconds(s, n, o) for s, (n, o) in enumerate(zip(got.split, got.options))]
+    assert max(times) == pytest.approx(want[0][0])
+    assert sum(times) == pytest.approx(want[0][1])
+    assert got.policies == tuple(o.policy for o in got.options)
+
+
+def test_fewer_layers_beat_heavier_remat_on_the_first_stage():
+    """Worked by hand. 16 layers on 4 stages holding 4, 3, 2, 1 microbatches (1F1B); a layer
+    costs 1 s and 1 byte per microbatch without remat, 1.3 s and 0.1 byte with full remat; 13
+    bytes per device. Even (4,4,4,4): stage 0 needs 16 bytes without remat, so full remat: 5.2 s.
+    Three layers on stage 0 fit without remat (12 bytes): (3,4,5,4) or (3,4,4,5), slowest 5 s.
+    With `minimal` (1.1 s, 0.4 byte) available, even with minimal on stage 0 (4.4 s) is best."""
+    two = [("none", 1.0, 1.0), ("full", 1.3, 0.1)]
+    c = with_options(costs([0, 0, 0, 0], [4.0, 3.0, 2.0, 1.0], state=0.0), two)
+    got = balance_with_options(c, 16, memory_bytes=13.0)
+    assert got.split[0] == 3 and sorted(got.split[1:]) == [4, 4, 5]
+    assert got.policies == ("none",) * 4
+    assert max(c.stage_seconds(s, n, o) for s, (n, o) in enumerate(zip(*astuple(got)))) == 5.0
+    # the alternative the joint choice beats: the even split with full remat on stage 0
+    even_full = [c.stage_seconds(0, 4, c.stage_options(0)[1])] + [4.0] * 3
+    assert max(even_full) == pytest.approx(5.2)
+
+    c = with_options(costs([0, 0, 0, 0], [4.0, 3.0, 2.0, 1.0], state=0.0), REMAT)
+    got = balance_with_options(c, 16, memory_bytes=13.0)
+    assert got.split == (4, 4, 4, 4) and got.policies == ("minimal", "none", "none", "none")
+
+
+def astuple(b):
+    return b.split, b.options
