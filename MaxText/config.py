@@ -191,6 +191,7 @@ class Config:
     mu_dtype: str
     gradient_accumulation_steps: int
     metrics_file: str
+    jax_cache_dir: str
 
     # ---- derived at load (not keys; never set them in YAML or on the command line)
     num_devices: int = _derived(1)  # data x fsdp x tensor x pipeline (ici x dcn)

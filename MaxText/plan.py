@@ -21,6 +21,7 @@ import dataclasses
 import json
 import sys
 
+from MaxText.compile_cache import compilation_cache
 from MaxText.hardware import GB, HARDWARE, cpu_hardware
 from MaxText.plan_auto import describe_remat, make_plan, resolve_schedule
 from MaxText.plan_step import Plan, byte_unit, format_bytes
@@ -102,12 +103,13 @@ def main(argv=None) -> int:
         "efficiency": args.efficiency,
     }
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
-    try:
-        config, _, base = resolve_schedule(rest, config, hardware)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    plan = make_plan(config, hardware, base)
+    with compilation_cache(config.jax_cache_dir):
+        try:
+            config, _, base = resolve_schedule(rest, config, hardware)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        plan = make_plan(config, hardware, base)
     print(format_plan(plan))
     if args.json_path:
         with open(args.json_path, "w") as f:

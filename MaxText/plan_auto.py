@@ -52,14 +52,17 @@ def plan_layout(config, hardware: Hardware, base: Plan | None = None) -> Plan:
         return plan_remat_auto(config, hardware, base) if config.remat_auto else base
     even = plan_remat_auto(config, hardware, base) if config.remat_auto else base
     costs = base.stage_costs
-    if config.remat_auto:
-        rows = config.microbatch_size / config.data_parallel_devices
+    if config.remat_auto:  # calibrated on both plans compiled so far
+        profile = rc.layer_profile(config)
         costs = rc.with_policy_options(
             costs,
-            rc.layer_profile(config),
+            profile,
             config.stage_layers,
             base.stage_remat,
-            [live * rows for live in base.live_microbatches],
+            [live * base.rows_per_microbatch for live in base.live_microbatches],
+            [g.temp_bytes for g in base.groups],
+            _temp_by_policy(base, even),
+            rc.activation_scales(profile, [base, even]),
         )
     found = balance_with_options(costs, config.num_decoder_layers, hardware.memory_bytes)
     if found is None or list(found.split) == base.stage_layers:
@@ -93,6 +96,19 @@ def plan_layout(config, hardware: Hardware, base: Plan | None = None) -> Plan:
         base.stage_layers,
     )
     return dataclasses.replace(even, compared=None)
+
+
+def _temp_by_policy(*plans: Plan) -> dict[str, float]:
+    """XLA temporaries per remat policy: the largest of the groups whose stages all run it."""
+    out: dict[str, float] = {}
+    for plan in plans:
+        group_of = plan.stage_costs.group_of
+        for g in plan.groups:
+            policies = {p for s, p in enumerate(plan.stage_remat) if group_of[s] == g.group}
+            if len(policies) == 1:
+                (p,) = policies
+                out[p] = max(out.get(p, 0.0), float(g.temp_bytes))
+    return out
 
 
 def _remat_report(config, plan: Plan):

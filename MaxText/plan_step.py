@@ -67,6 +67,7 @@ class Plan:
     compared: Any = None  # the even split's Plan when this one was balanced automatically
     stage_remat: tuple = ()  # remat policy per stage
     live_microbatches: tuple = ()  # per group: microbatches (x stages) in flight at its peak
+    rows_per_microbatch: float = 0.0  # one microbatch's batch rows on each device
     remat: Any = None  # remat_choice.RematChoice when remat_policy=auto chose the policies
     gradient_reduction: str = "step"
 
@@ -255,6 +256,7 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
         baseline=baseline,
         stage_remat=tuple(config.stage_remat),
         live_microbatches=tuple(sim.peak_live_activations),
+        rows_per_microbatch=config.microbatch_size / config.data_parallel_devices,
     )
 
 

@@ -157,7 +157,9 @@ def with_policy_options(
     stage_layers: Sequence[int],
     measured_policies: Sequence[str],
     units: Sequence[float],
-    policies: Sequence[str] | None = None,
+    group_temp_bytes: Sequence[float],
+    temp_bytes: dict[str, float] | None = None,
+    activation_scale: dict[str, float] | None = None,
 ):
     """`costs` (a `stage_balance.StageCosts` measured on `stage_layers` with `measured_policies`)
     with a `LayerOption` per remat policy on every stage, for choosing split and remat together.
@@ -167,16 +169,34 @@ def with_policy_options(
     bytes x the microbatch rows in flight on the stage (`units[g]`, its group's, shared by the
     group's stages); what a group's measured activations hold beyond its layers' (the
     embedding's output, the logits) moves to its fixed bytes, so at the measured split and
-    policies the bytes are the measured ones."""
+    policies the bytes are the measured ones. XLA's temporaries differ by policy (a lighter
+    policy may need more: XLA:CPU's for Llama 2 70B are 9 GB larger under `minimal` than under
+    `full`) and grow with a stage's layers (by ~2 GB a layer there): `temp_bytes[policy]` holds
+    those measured so far (a group's largest task), a policy not measured counts as the largest
+    of them, and a stage's option carries its group's measured temporaries plus the policy's
+    excess over the measured policy's, growing in proportion with more layers. Likewise XLA
+    may keep more per layer than the residuals JAX names: `activation_scale[policy]` is measured
+    / predicted activation bytes of the plans compiled so far (`activation_scales`), the largest
+    for a policy not measured."""
     from MaxText.stage_balance import LayerOption
 
     num_stages = len(stage_layers)
-    policies = list(policies or by_recompute(profile))
+    policies = by_recompute(profile)
+    temp_bytes = dict(temp_bytes or {})
+    unknown = max(temp_bytes.values(), default=0.0)
+    scale = dict(activation_scale or {})
+    unknown_scale = max(scale.values(), default=1.0)
+
+    def saved(policy: str) -> float:
+        return profile[policy].saved_bytes * scale.get(policy, unknown_scale)
+
     reference = range(1, num_stages - 1) if num_stages > 2 else range(1)
     ref_flops = sum(stage_layers[s] * profile[measured_policies[s]].flops for s in reference)
     seconds_per_flop = costs.seconds_per_layer * sum(stage_layers[s] for s in reference) / ref_flops
     stages_on = [costs.group_of.count(g) for g in range(len(costs.fixed_bytes))]
     extra, fixed, options = list(costs.extra_seconds), list(costs.fixed_bytes), []
+    for g, temp in enumerate(group_temp_bytes):  # the options carry the temporaries now
+        fixed[g] -= temp
     for s, (n, b) in enumerate(zip(stage_layers, measured_policies)):
         g = costs.group_of[s]
         rows = units[g] / stages_on[g]
@@ -184,16 +204,45 @@ def with_policy_options(
         extra[s] = max(
             0.0, extra[s] + n * (costs.seconds_per_layer - seconds_per_flop * profile[b].flops)
         )
-        fixed[g] += n * (costs.activation_bytes_per_layer[s] - rows * profile[b].saved_bytes)
+        fixed[g] += n * (costs.activation_bytes_per_layer[s] - rows * saved(b))
+        own = group_temp_bytes[g] / stages_on[g]
+        excess = {
+            p: max(0.0, temp_bytes.get(p, unknown) - temp_bytes.get(b, own)) for p in policies
+        }
         options.append(
             tuple(
-                LayerOption(p, seconds_per_flop * profile[p].flops, rows * profile[p].saved_bytes)
+                LayerOption(
+                    p, seconds_per_flop * profile[p].flops, rows * saved(p), own + excess[p], n
+                )
                 for p in policies
             )
         )
     return dataclasses.replace(
         costs, extra_seconds=tuple(extra), fixed_bytes=tuple(fixed), options=tuple(options)
     )
+
+
+def activation_scales(profile: dict[str, PolicyCost], plans) -> dict[str, float]:
+    """Per policy, a compiled plan's activation bytes over what `profile` predicts for them
+    (layers x microbatch rows in flight x saved bytes), the largest over the groups whose
+    stages all ran that policy; groups holding no first or last stage only, where there are
+    such (the embedding's output and the logits are not a layer's)."""
+    out: dict[str, float] = {}
+    for plan in plans:
+        costs, rows = plan.stage_costs, plan.rows_per_microbatch
+        edge = {costs.group_of[0], costs.group_of[-1]}
+        groups = [g for g in plan.groups if g.group not in edge] or plan.groups
+        for g in groups:
+            stages = [s for s, owner in enumerate(costs.group_of) if owner == g.group]
+            policies = {plan.stage_remat[s] for s in stages}
+            layers = sum(plan.stage_layers[s] for s in stages)
+            units = plan.live_microbatches[g.group] * rows / len(stages)
+            if len(policies) != 1 or not units or not g.activation_bytes:
+                continue
+            (p,) = policies
+            ratio = g.activation_bytes / (layers * units * profile[p].saved_bytes)
+            out[p] = max(out.get(p, 0.0), ratio)
+    return out
 
 
 def heavier(policy: str, profile: dict[str, PolicyCost]) -> str:

@@ -35,11 +35,15 @@ from collections.abc import Sequence
 @dataclasses.dataclass(frozen=True)
 class LayerOption:
     """One way a stage can run its layers (a remat policy): per layer and microbatch, seconds
-    (forward + backward, recomputation included) and activation bytes on the stage's group."""
+    (forward + backward, recomputation included) and activation bytes on the stage's group;
+    `temp_bytes`: XLA's temporaries of the stage's tasks under this option with `temp_layers`
+    layers, taken to grow in proportion with more layers and never to shrink with fewer."""
 
     policy: str
     seconds: float
     activation_bytes: float
+    temp_bytes: float = 0.0
+    temp_layers: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,8 @@ class StageCosts:
 
     def stage_bytes(self, stage: int, layers: int, option: LayerOption | None = None) -> float:
         option = option or self.stage_options(stage)[0]
-        return layers * (self.state_bytes_per_layer[stage] + option.activation_bytes)
+        per_layer = self.state_bytes_per_layer[stage] + option.activation_bytes
+        return layers * per_layer + option.temp_bytes * max(1.0, layers / option.temp_layers)
 
     def group_bytes(self, split: Sequence[int], options: Sequence | None = None) -> list[float]:
         out = list(self.fixed_bytes)

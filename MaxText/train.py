@@ -203,19 +203,21 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    from MaxText.compile_cache import compilation_cache
     from MaxText.plan_auto import resolve_auto
 
-    config = resolve_auto(argv, config)  # "auto" schedule, microbatches, stage split
-    mesh = sharding.make_mesh(config, devs)
-    trainer = build_trainer(config, mesh)
-    try:
-        last = run(config, trainer, data)
-    except TrainingDivergedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except ConfigError as e:  # e.g. a checkpoint of another model or seed
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    with compilation_cache(config.jax_cache_dir):
+        config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat
+        mesh = sharding.make_mesh(config, devs)
+        trainer = build_trainer(config, mesh)
+        try:
+            last = run(config, trainer, data)
+        except TrainingDivergedError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except ConfigError as e:  # e.g. a checkpoint of another model or seed
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     if last:
         summary = f"done: {config.steps} steps, loss {last['loss']:.4f}"
         if "eval_loss" in last:

@@ -127,7 +127,6 @@ UNSUPPORTED: dict[str, str] = {
     "dump_hlo": "use XLA_FLAGS=--xla_dump_to=<dir>",
     "dump_hlo_gcs_dir": "use XLA_FLAGS=--xla_dump_to=<dir>",
     "dump_hlo_xla_flags": "use XLA_FLAGS=--xla_dump_to=<dir>",
-    "jax_cache_dir": "use JAX_COMPILATION_CACHE_DIR=<dir>",
     "enable_goodput_recording": _CLOUD,
     "monitor_goodput": _CLOUD,
     "goodput_upload_interval_seconds": _CLOUD,

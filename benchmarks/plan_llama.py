@@ -100,6 +100,9 @@ def run_row(name: str, keys: list[str]) -> dict:
             "plan_seconds": round(seconds, 1),
             "exit_code": proc.returncode,
             "text": proc.stdout,
+            "log": [
+                line for line in proc.stderr.splitlines() if "auto" in line or "plan:" in line
+            ],
             "plan": json.loads(out.read_text()),
         }
 

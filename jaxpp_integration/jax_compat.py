@@ -180,3 +180,11 @@ def saved_residuals(fn, *args) -> list[tuple[object, bool]]:
     from jax._src.ad_checkpoint import saved_residuals as _saved
 
     return [(aval, why.startswith("from the argument")) for aval, why in _saved(fn, *args)]
+
+
+def reset_compilation_cache() -> None:
+    """Forget JAX's persistent compilation cache object, so that the next compile opens the
+    directory configured now (JAX opens it once per process otherwise)."""
+    from jax._src import compilation_cache
+
+    compilation_cache.reset_cache()

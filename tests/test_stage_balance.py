@@ -218,3 +218,13 @@ def test_fewer_layers_beat_heavier_remat_on_the_first_stage():
 
 def astuple(b):
     return b.split, b.options
+
+
+def test_temporaries_grow_with_more_layers_and_never_shrink():
+    """An option's temporaries, measured at 4 layers, by hand: 2 bytes up to 4 layers, then in
+    proportion (3 bytes at 6 layers)."""
+    option = LayerOption("p", 1.0, 0.5, temp_bytes=2.0, temp_layers=4)
+    c = dataclasses.replace(costs([0, 0], [0.5, 0.5], state=1.0), options=((option,), (option,)))
+    assert c.stage_bytes(0, 2, option) == 2 * 1.5 + 2.0
+    assert c.stage_bytes(0, 4, option) == 4 * 1.5 + 2.0
+    assert c.stage_bytes(0, 6, option) == 6 * 1.5 + 3.0

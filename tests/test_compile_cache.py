@@ -1,0 +1,106 @@
+"""`jax_cache_dir` and the run-long compilation cache (`MaxText/compile_cache.py`).
+
+Counted with JAX's own cache events (`jax.monitoring`): a second run of the same pipelined
+training with `jax_cache_dir` set compiles nothing (every program is a cache hit) and trains
+bitwise like the first; a plan that compiles several variants of one step reuses the programs
+they share; and JAX's settings are restored after a run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from compare import assert_bitwise
+from small_model import SMALL_MODEL
+
+from MaxText.config import CONFIGS_DIR
+from MaxText.train import main
+
+HITS = "/jax/compilation_cache/cache_hits"
+MISSES = "/jax/compilation_cache/cache_misses"
+
+
+@contextlib.contextmanager
+def cache_events():
+    """Counts of JAX's persistent-cache hits and misses while the block runs."""
+    seen = {HITS: 0, MISSES: 0}
+
+    def listener(event, **kwargs):
+        if event in seen:
+            seen[event] += 1
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+
+
+def train(base: Path, run: str, *overrides: str) -> np.ndarray:
+    argv = [
+        str(CONFIGS_DIR / "base.yml"),
+        *SMALL_MODEL,
+        "dataset_type=synthetic",
+        "pipeline_parallelism=2",
+        "num_pipeline_microbatches=4",
+        "steps=2",
+        "log_period=1",
+        "eval_interval=0",
+        "enable_progress_bar=false",
+        "enable_tensorboard=false",
+        "enable_checkpointing=false",
+        f"base_output_directory={base}",
+        f"run_name={run}",
+        *overrides,
+    ]
+    assert main(argv) == 0
+    lines = (base / run / "metrics.jsonl").read_text().splitlines()
+    return np.asarray([json.loads(line)["loss"] for line in lines if '"loss"' in line])
+
+
+def test_second_run_compiles_nothing_and_trains_alike(tmp_path):
+    cache = tmp_path / "jax_cache"
+    with cache_events() as first:
+        losses = train(tmp_path, "first", f"jax_cache_dir={cache}")
+    assert first[MISSES] > 0 and any(cache.iterdir())
+    with cache_events() as second:
+        again = train(tmp_path, "second", f"jax_cache_dir={cache}")
+    # (in this process a few helper functions stay compiled in jax.jit's own memory cache)
+    assert second[MISSES] == 0 and second[HITS] > 0, (first, second)
+    assert_bitwise(losses, again, "losses with programs from the cache")
+    assert jax.config.jax_compilation_cache_dir is None  # JAX's settings are back
+
+
+def test_default_cache_lives_for_the_run_only(tmp_path):
+    """jax_cache_dir="": a temporary cache while the trainer runs, removed afterwards."""
+    before = set(Path(tempfile.gettempdir()).glob("maxtext_jax_cache_*"))
+    with cache_events() as events:
+        train(tmp_path, "run")
+    assert events[MISSES] > 0  # the run compiled through the cache
+    assert set(Path(tempfile.gettempdir()).glob("maxtext_jax_cache_*")) == before
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_plan_variants_share_compiled_programs(capsys):
+    """remat_policy=auto plans the step with remat everywhere, then with the chosen policies:
+    the programs they share (before and after the loop) are compiled once."""
+    from MaxText import plan
+
+    argv = [
+        str(CONFIGS_DIR / "base.yml"),
+        *SMALL_MODEL,
+        "dataset_type=synthetic",
+        "pipeline_parallelism=2",
+        "num_pipeline_microbatches=4",
+        "remat_policy=auto",
+        "--hardware",
+        "cpu",
+    ]
+    with cache_events() as events:
+        assert plan.main(argv) == 0
+    assert "remat per stage ['none', 'none']" in capsys.readouterr().out
+    assert events[HITS] > 0 and events[MISSES] > 0, events
