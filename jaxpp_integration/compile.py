@@ -9,6 +9,11 @@ One XLA compile per distinct program: a program is keyed by its equations as tra
 layouts relative to the group's sub-mesh and its donation, never by rank or device ids. The first
 group that runs it compiles it; every other group gets that executable loaded onto its own
 devices (`jax_compat.load_compiled_on`); other microbatches reuse their group's executable.
+
+With JAX's persistent compilation cache on (`jax_cache_dir`), a program may come from the cache;
+XLA:CPU cannot serialize an executable it deserialized, so before loading such a program onto
+other groups it is compiled once more without the cache (one extra compile per shared program
+when the cache is warm; the other programs are cache reads).
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_integration.jax_compat import load_compiled_on
+from jaxpp_integration.jax_compat import (
+    load_compiled_on,
+    persistent_cache_reads,
+    without_persistent_cache,
+)
 from jaxpp_integration.program import Fill, Program, Run, TaskCode, Transfer
 from jaxpp_integration.treduce import microbatch
 
@@ -185,6 +194,8 @@ def compile_program(
     in_flight: dict = {}  # (program key, rank) -> Future of the executable
     programs = cache  # program key -> [(rank, Future)] of the groups it was compiled for
     fn_cache: dict = {}
+    restored: dict = {}  # id(executable read from the persistent cache) -> how to lower it
+    fresh: dict = {}  # program key -> Future of the program compiled without that cache
     pool = ThreadPoolExecutor(compile_threads) if compile_threads > 1 else None
 
     slot_sharding: dict = dict(input_shardings)
@@ -205,18 +216,44 @@ def compile_program(
                 fn_cache[id(code)] = _key(code)
             return fn_cache[id(code)]
 
-    def compile_one(code, ins, in_sh):
+    def lower(code, ins, in_sh):
         eqns = rebind_meshes(code.eqns, src_meshes, mpmd_mesh.unstack[code.rank])
         avals = [_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_sh)]
-        t0 = time.perf_counter()
         fn = task_function(code, eqns)
         if code.out_specs:
             fn = _constrained(fn, code.out_specs, mpmd_mesh.unstack[code.rank])
-        exe = jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals).compile()
+        return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals)
+
+    def compile_one(code, ins, in_sh):
+        t0 = time.perf_counter()
+        with persistent_cache_reads() as reads:
+            exe = lower(code, ins, in_sh).compile()
         with lock:
             stats.compiles += 1
             stats.seconds[code.name] = time.perf_counter() - t0
+            if reads.hits:  # not movable to other groups as it is: see `movable_source`
+                restored[id(exe)] = (code, ins, in_sh)
         return exe
+
+    def movable_source(key, exe):
+        """`exe`, or, when it was read from JAX's persistent compilation cache (XLA:CPU cannot
+        serialize such an executable again), the same program compiled here once without it."""
+        with lock:
+            how = restored.get(id(exe))
+            if how is None:
+                return exe
+            mine = fresh.get(key)
+            if mine is None:
+                mine = fresh[key] = Future()
+                todo = True
+            else:
+                todo = False
+        if todo:
+            with without_persistent_cache():  # lowered anew: a Lowered compiles once
+                mine.set_result(lower(*how).compile())
+            with lock:
+                stats.compiles += 1
+        return mine.result()
 
     def executable_for(ins):
         code = ins.code
@@ -241,7 +278,9 @@ def compile_program(
             exe = None
             for src_rank, src_fut in sources:  # load a compile made for another group
                 exe = load_compiled_on(
-                    src_fut.result(), mpmd_mesh.devices_of(src_rank), mpmd_mesh.devices_of(rank)
+                    movable_source(key, src_fut.result()),
+                    mpmd_mesh.devices_of(src_rank),
+                    mpmd_mesh.devices_of(rank),
                 )
                 if exe is not None:
                     with lock:

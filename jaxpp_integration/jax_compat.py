@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 
@@ -188,3 +190,36 @@ def reset_compilation_cache() -> None:
     from jax._src import compilation_cache
 
     compilation_cache.reset_cache()
+
+
+@contextlib.contextmanager
+def persistent_cache_reads():
+    """Counts, in `.hits` of the yielded object, the programs this thread read from JAX's
+    persistent compilation cache while the block ran (XLA:CPU cannot serialize an executable it
+    deserialized again: `load_compiled_on` needs one compiled here)."""
+    import threading
+
+    import jax
+
+    class Reads:
+        hits = 0
+
+    reads, me = Reads(), threading.get_ident()
+
+    def listener(event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits" and threading.get_ident() == me:
+            reads.hits += 1
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield reads
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+
+
+def without_persistent_cache():
+    """A context in which this thread's compiles neither read nor write JAX's persistent
+    compilation cache."""
+    from jax._src import config
+
+    return config.enable_compilation_cache(False)

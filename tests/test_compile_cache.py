@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from compare import assert_bitwise
 from small_model import SMALL_MODEL
 
@@ -22,6 +23,9 @@ from MaxText.train import main
 
 HITS = "/jax/compilation_cache/cache_hits"
 MISSES = "/jax/compilation_cache/cache_misses"
+
+
+pytestmark = pytest.mark.usefixtures("no_compilation_cache")  # they count cache events
 
 
 @contextlib.contextmanager

@@ -23,6 +23,10 @@ import jaxpp_integration as jaxpp
 from jaxpp_integration.jax_compat import load_compiled_on
 from jaxpp_integration.program import Run
 
+# Compiles are counted here: without the session's persistent compilation cache (see conftest),
+# except in the test of that cache's own case.
+pytestmark = pytest.mark.usefixtures("no_compilation_cache")
+
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
@@ -188,3 +192,26 @@ def test_compile_threads_gives_the_same_program():
     )
     assert n_compiles == UNIFORM_DISTINCT_PROGRAMS
     assert_bitwise(jax.jit(step)(params, opt_state, batch), compiled(params, opt_state, batch))
+
+
+def test_loaded_copies_of_cached_programs_run(tmp_path):
+    """With JAX's persistent compilation cache warm (`jax_cache_dir`), a group's program comes
+    from the cache; XLA:CPU cannot serialize such an executable again ("Function ... not found"
+    when the copy runs), so the engine compiles each shared program once more, without the
+    cache, and loads other groups' copies from that: the second compile of the same step runs
+    bitwise like jax.jit, with at most one extra compile per shared program."""
+    from MaxText.compile_cache import compilation_cache
+
+    params, batch, loss_fn = uniform_mlp(4)
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(params)
+    step = make_step(loss_fn, opt, jaxpp.Std1F1B(4))
+    with compilation_cache(str(tmp_path / "cache")):
+        cold, n_cold = _compile_counted(step, mpmd_mesh(4), (params, opt_state, batch))
+        warm, n_warm = _compile_counted(step, mpmd_mesh(4), (params, opt_state, batch))
+        ref = jax.jit(step)(params, opt_state, batch)
+        assert_bitwise(ref, warm(params, opt_state, batch))
+    assert n_cold == UNIFORM_DISTINCT_PROGRAMS == cold.compile_stats.compiles
+    shared = 3  # the middle stages' fwd and bwd, and the after-loop update
+    assert warm.compile_stats.compiles == n_warm == UNIFORM_DISTINCT_PROGRAMS + shared
+    assert warm.compile_stats.loads == cold.compile_stats.loads
