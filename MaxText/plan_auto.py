@@ -77,7 +77,10 @@ def plan_layout(config, hardware: Hardware, base: Plan | None = None) -> Plan:
         if not plan.fits:  # the prediction missed: move its groups to heavier policies
             plan = plan_remat_auto(dataclasses.replace(chosen, remat_auto=True), hardware, plan)
         else:
-            plan = dataclasses.replace(plan, remat=_remat_report(chosen, plan))
+            report = _remat_report(chosen, plan)
+            plan = dataclasses.replace(
+                plan, remat=dataclasses.replace(report, full_step_s=_full_step_s(base))
+            )
     faster = plan.predicted["step_time_s"] < even.predicted["step_time_s"]
     if plan.fits and (faster or not even.fits):
         log.info(
@@ -123,6 +126,7 @@ def _remat_report(config, plan: Plan):
         tuple(g.peak_bytes for g in plan.groups),
         plan.fits,
         spent / none - 1.0,
+        plan.predicted["step_time_s"],
     )
 
 
@@ -171,6 +175,8 @@ def plan_remat_auto(config, hardware: Hardware, base: Plan) -> Plan:
         peak_bytes=tuple(g.peak_bytes for g in plan.groups),
         fits=plan.fits,
         recompute_fraction=spent / none - 1.0,
+        step_s=plan.predicted["step_time_s"],
+        full_step_s=_full_step_s(base),
     )
     log.info("remat_policy=auto: %s", describe_remat(report))
     return dataclasses.replace(plan, remat=report, compared=plan.compared or base.compared)
@@ -194,11 +200,23 @@ def plan_spmd_remat_auto(config, hardware: Hardware) -> Plan:
 
 
 def describe_remat(choice) -> str:
+    versus = ""
+    if choice.step_s and choice.full_step_s:
+        versus = (
+            f"; predicted step {choice.step_s:.3g} s vs {choice.full_step_s:.3g} s with remat "
+            f"full on every stage ({choice.full_step_s / choice.step_s:.2f}x)"
+        )
     return (
         f"remat per stage {list(choice.policies)}: layer FLOPs "
         f"+{100 * choice.recompute_fraction:.0f}% over remat_policy=none, "
         + ("every group fits" if choice.fits else "does not fit")
+        + versus
     )
+
+
+def _full_step_s(plan: Plan) -> float:
+    """`plan`'s predicted step when it was planned with remat full on every stage, else 0."""
+    return plan.predicted["step_time_s"] if set(plan.stage_remat) == {"full"} else 0.0
 
 
 def auto_stage_layers(config, even: Plan, hardware: Hardware):

@@ -50,6 +50,8 @@ class RematChoice:
     peak_bytes: tuple[float, ...]  # predicted, per group
     fits: bool
     recompute_fraction: float  # extra layer FLOPs over remat_policy=none
+    step_s: float = 0.0  # the plan's predicted step with these policies
+    full_step_s: float = 0.0  # ... and with remat full on every stage (0: not planned)
 
 
 def layer_profile(config) -> dict[str, PolicyCost]:

@@ -2,9 +2,10 @@
 
     python benchmarks/plan_llama.py [--only NAME]      (~minutes per row on a 2-core CPU)
 
-Each row runs `python -m MaxText.plan ... pipeline_stage_layers=auto --json` in its own process
-(each needs its own number of emulated devices), which plans the even split, balances it and
-plans the balanced split. Results: benchmarks/results/plan_llama.json and a markdown table.
+Each row runs `python -m MaxText.plan ... pipeline_stage_layers=auto remat_policy=auto --json`
+in its own process (each needs its own number of emulated devices): it plans the even split with
+remat full everywhere, chooses remat per stage for it, chooses split and remat together, and
+plans the chosen split (kept only if it fits and is faster). Results: benchmarks/results/plan_llama.json and a markdown table.
 Nothing is allocated: the real step is compiled on abstract inputs.
 """
 
@@ -100,9 +101,7 @@ def run_row(name: str, keys: list[str]) -> dict:
             "plan_seconds": round(seconds, 1),
             "exit_code": proc.returncode,
             "text": proc.stdout,
-            "log": [
-                line for line in proc.stderr.splitlines() if "auto" in line or "plan:" in line
-            ],
+            "log": [line for line in proc.stderr.splitlines() if "auto" in line or "plan:" in line],
             "plan": json.loads(out.read_text()),
         }
 
@@ -129,8 +128,8 @@ def table(results: dict) -> str:
 
     lines = [
         "| row | stage split | remat per stage (auto) | largest peak per device | predicted step "
-        "| bubble | MFU | plan time |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vs remat full everywhere | vs even split | bubble | MFU | plan time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
         plan = r["plan"]
@@ -140,10 +139,15 @@ def table(results: dict) -> str:
         split = plan["stage_layers"]
         split = f"{split[0]} x {len(split)}" if len(set(split)) == 1 else ",".join(map(str, split))
         p = plan["predicted"]
+        full = re.search(r"vs (\S+) s with remat full on every stage \((\S+)x\)", r["text"])
+        full = f"{full.group(1)} s ({full.group(2)}x)" if full else ""
+        even = re.search(r"  even: .*; step (\S+) s", r["text"])
+        even = f"{even.group(1)} s" if even else "(even kept)"
         lines.append(
             f"| {r['name']} | {split} | {remat} | {peak:.1f} GB "
             f"({'fits' if plan['fits'] else 'does not fit'}) | {p['step_time_s']:.2f} s | "
-            f"{100 * p['bubble']:.1f} % | {100 * p['mfu']:.1f} % | {r['plan_seconds']:.0f} s |"
+            f"{full} | {even} | {100 * p['bubble']:.1f} % | {100 * p['mfu']:.1f} % | "
+            f"{r['plan_seconds']:.0f} s |"
         )
     return "\n".join(lines)
 
