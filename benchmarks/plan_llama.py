@@ -5,8 +5,9 @@
 Each row runs `python -m MaxText.plan ... pipeline_stage_layers=auto remat_policy=auto --json`
 in its own process (each needs its own number of emulated devices): it plans the even split with
 remat full everywhere, chooses remat per stage for it, chooses split and remat together, and
-plans the chosen split (kept only if it fits and is faster). Results: benchmarks/results/plan_llama.json and a markdown table.
-Nothing is allocated: the real step is compiled on abstract inputs.
+plans the chosen split (kept only if it fits and is faster). Results:
+benchmarks/results/plan_llama.json and a markdown table. Nothing is allocated: the real step is
+compiled on abstract inputs.
 """
 
 from __future__ import annotations
