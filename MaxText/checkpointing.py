@@ -30,7 +30,7 @@ read it.
 **Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
 only when every item is written, so a killed save never looks complete; leftover temporary
 folders are removed when the next run opens the manager. Before a checkpoint is restored its
-metadata files are parsed and every stored array chunk is read once (`_verify_arrays`); a
+metadata files are parsed and every stored array chunk is read once (`checkpoint_integrity.verify_arrays`); a
 complete checkpoint that cannot be read (truncated or corrupt file) is skipped with a warning
 naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and the
 previous one is used. Only storage and decoding errors count as "cannot be read"
@@ -52,10 +52,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -65,6 +63,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from MaxText.checkpoint_integrity import (
+    UnreadableCheckpointError,  # noqa: F401 (part of this module's interface)
+    check_files,
+    first_cause_line,
+    is_storage_error,
+    verify_arrays,
+)
 from MaxText.checkpoint_layout import CanonicalLayout, numpy_stack, placement_for, restore_args
 from MaxText.config import Config, ConfigError
 
@@ -131,102 +136,6 @@ def _open_manager(directory: str | os.PathLike, config: Config | None, read_only
         return ocp.CheckpointManager(Path(directory).absolute(), item_names=ITEMS, options=options)
     finally:
         absl_logger.setLevel(level)
-
-
-class UnreadableCheckpointError(Exception):
-    """A checkpoint's files are missing or damaged (found by the pre-reads below)."""
-
-
-# tensorstore reports read and decode failures as ValueError("<absl status>: ..."); these statuses
-# mean the stored bytes are missing, short or undecodable. INVALID_ARGUMENT / INTERNAL / UNKNOWN
-# are left out on purpose: they also come from wrong arguments, i.e. from a bug in the caller.
-_STORAGE_STATUSES = re.compile(
-    r"^(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|PERMISSION_DENIED|UNAVAILABLE): "
-)
-
-
-def is_storage_error(e: BaseException) -> bool:
-    """True when `e` (or an exception it was raised from) says the stored files are unreadable.
-
-    Storage/decoding errors: `UnreadableCheckpointError` (our pre-reads), `OSError` (a missing,
-    short or unreadable file), `json.JSONDecodeError` / `UnicodeDecodeError` (a damaged metadata
-    file), tensorstore's `ValueError` with a read/decode status (see `_STORAGE_STATUSES`). orbax
-    wraps tensorstore's error in a bare `Exception` ("Encountered error while reading array
-    index"), so the chain of causes is searched. Anything else (TypeError, AttributeError, a
-    structure mismatch, ...) is a bug and must not mark a checkpoint unreadable.
-    """
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, UnreadableCheckpointError | OSError | UnicodeDecodeError):
-            return True
-        if isinstance(e, json.JSONDecodeError):
-            return True
-        if type(e) is ValueError and _STORAGE_STATUSES.match(str(e)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _check_files(step_dir: Path, json_items: Sequence[str], state: bool) -> None:
-    """Raises UnreadableCheckpointError naming the first required file of `step_dir` that is
-    missing or the first metadata file that is not valid JSON.
-
-    orbax itself tolerates an unreadable `_CHECKPOINT_METADATA`; a truncated one still means the
-    checkpoint was damaged, so it is treated like any other corrupt file. A missing `_METADATA`
-    or item folder makes orbax fail with a tree-structure `ValueError` or a `KeyError`, which
-    look like bugs, so their presence is checked here first.
-    """
-    required = [f"{name}/metadata" for name in json_items]
-    if state:
-        required += ["state/_METADATA", "state/manifest.ocdbt"]
-    for name in required:
-        if not (step_dir / name).is_file():
-            raise UnreadableCheckpointError(f"{name} is missing")
-    for path in sorted(step_dir.rglob("*")):
-        if not path.is_file():
-            continue
-        name = path.name
-        is_json = name in ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata") or (
-            path.parent.name == "array_metadatas"
-        )
-        if is_json:
-            try:
-                json.loads(path.read_text())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise UnreadableCheckpointError(
-                    f"{path.relative_to(step_dir)} is not valid JSON ({e})"
-                ) from None
-
-
-def _verify_arrays(state_dir: Path, prefix: str = "") -> None:
-    """Reads every stored chunk under `prefix` of an OCDBT `state` item once; raises on damage.
-
-    A truncated or missing data file fails here with tensorstore's one-line error (e.g.
-    `OUT_OF_RANGE: Requested byte range ... is not valid`). orbax would fail as well, but from
-    inside its asyncio reads, leaving hundreds of "Event loop is closed" tracebacks on stderr,
-    so damaged checkpoints are caught before orbax reads them. Costs one extra read of the
-    compressed bytes (page-cached for the restore that follows).
-    """
-    if not (state_dir / "manifest.ocdbt").is_file():
-        return  # not an OCDBT item: leave the checks to orbax
-    import tensorstore as ts
-
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state_dir.absolute()}/"}).result()
-    keys = [k for k in kv.list().result() if k.startswith(prefix.encode())]
-    if not keys:
-        raise UnreadableCheckpointError(f"{state_dir.name} holds no arrays under '{prefix}'")
-    for read in [kv.read(k) for k in keys]:
-        read.result()
-
-
-def _reason(e: BaseException, limit: int = 300) -> str:
-    """One line about a read failure: the innermost cause (tensorstore's own words)."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    text = str(e).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(e).__name__}: {line[:limit]}"
 
 
 def find_step_dir(path: str | os.PathLike) -> tuple[Path, int | None]:
@@ -320,7 +229,7 @@ def restore_latest(
 def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
-    _check_files(step_dir, names, state=False)
+    check_files(step_dir, names, state=False)
     got = manager.restore(
         step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in names})
     )
@@ -347,11 +256,11 @@ def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
 
 
 def _read_state(manager, step, step_dir, treedef, items, args, partial: bool) -> Any:
-    """The `state` item's arrays (after reading every stored chunk once, see `_verify_arrays`)."""
+    """The `state` item's arrays (after reading every stored chunk once, see `verify_arrays`)."""
     import orbax.checkpoint as ocp
 
-    _check_files(step_dir, (), state=True)
-    _verify_arrays(step_dir / "state", "params." if partial else "")
+    check_files(step_dir, (), state=True)
+    verify_arrays(step_dir / "state", "params." if partial else "")
     restored = manager.restore(
         step,
         args=ocp.args.Composite(
@@ -386,7 +295,7 @@ def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: li
     log.warning(
         "checkpoint %s is incomplete or corrupt, skipping it (%s)%s",
         step_dir,
-        _reason(error),
+        first_cause_line(error),
         where,
     )
 
@@ -407,7 +316,7 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
         steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
         for s in steps:
             try:
-                _check_files(directory / str(s), ("config",), state=False)
+                check_files(directory / str(s), ("config",), state=False)
                 got = manager.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
                 return s, got["config"]
             except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)

@@ -119,7 +119,7 @@ def measure(layout: list[str], extra: list[str], repeats: int, workdir: Path) ->
         step_dir = workdir / run / "checkpoints" / "1"
         size = _dir_bytes(step_dir)
         t0 = time.perf_counter()
-        checkpointing._verify_arrays(step_dir / "state")
+        checkpointing.verify_arrays(step_dir / "state")
         rows["verify_s"].append(time.perf_counter() - t0)
         ckpt = checkpointing.Checkpoints(config_for(run, False), trainer)
         t0 = time.perf_counter()
