@@ -30,7 +30,7 @@ read it.
 **Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
 only when every item is written, so a killed save never looks complete; leftover temporary
 folders are removed when the next run opens the manager. Before a checkpoint is restored its
-metadata files are parsed and every stored array chunk is read once (`checkpoint_integrity.verify_arrays`); a
+metadata files are parsed and every stored array chunk is read once (`checkpoint_integrity`); a
 complete checkpoint that cannot be read (truncated or corrupt file) is skipped with a warning
 naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and the
 previous one is used. Only storage and decoding errors count as "cannot be read"
