@@ -30,6 +30,7 @@ from MaxText.config_checks import (  # noqa: F401  (ATTENTION_KERNELS: re-export
     validate_attention_and_profiler,
     validate_data,
 )
+from MaxText.config_mesh import DCN_KEYS, PARALLELISM_KEYS, resolve_parallelism
 from MaxText.config_pipeline import REMAT_POLICIES, derive_pipeline, stage_layer_counts  # noqa: F401
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
 from MaxText.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values
@@ -40,21 +41,9 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
 # Alias -> canonical key. The alias is not stored; it only sets the canonical key.
 ALIASES = {"pipeline_parallelism": "ici_pipeline_parallelism"}
-PARALLELISM_KEYS = (
-    "ici_data_parallelism",
-    "ici_fsdp_parallelism",
-    "ici_tensor_parallelism",
-    "ici_pipeline_parallelism",
-)
 
 # ---- MaxText compatibility (names MaxText users type; MaxText/maxtext_compat.py)
 ALIASES.update(MAXTEXT_ALIASES)
-DCN_KEYS = (
-    "dcn_data_parallelism",
-    "dcn_fsdp_parallelism",
-    "dcn_tensor_parallelism",
-    "dcn_pipeline_parallelism",
-)
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Config.mesh_<axis>
 # Keys the trainer may resolve itself by planning (MaxText/plan_auto.py) when set to "auto".
 AUTO_KEYS = ("num_pipeline_microbatches",)
@@ -411,63 +400,6 @@ def _find_preset(name: str, config_path: Path) -> Path:
 # --------------------------------------------------------------------------------- derivation
 
 
-def _divisors(n: int) -> str:
-    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
-
-
-def _fill_one(values: dict[str, Any], keys: Sequence[str], total: int, what: str) -> None:
-    """Sets the one -1 among `keys` so that their product is `total` (MaxText's convention)."""
-    for key in keys:
-        if values[key] == 0 or values[key] < -1:
-            raise ConfigError(f"{key}={values[key]}: must be >= 1 (or -1 for 'the rest')")
-    fill = [k for k in keys if values[k] == -1]
-    if len(fill) > 1:
-        raise ConfigError(f"only one parallelism axis may be -1, got {', '.join(fill)}")
-    if not fill:
-        return
-    others = [k for k in keys if k != fill[0]]
-    product = 1
-    for k in others:
-        product *= values[k]
-    if total % product:
-        named = " x ".join(f"{k}={values[k]}" for k in others if values[k] > 1) or "1"
-        raise ConfigError(
-            f"{named} needs a multiple of {product} {what} but {total} {what} are "
-            f"available; use a product that divides {total} ({_divisors(total)})"
-        )
-    values[fill[0]] = total // product
-
-
-def _resolve_parallelism(values: dict[str, Any], available_devices: int | None) -> None:
-    """Fills a -1 parallelism axis with the remaining devices (MaxText's convention).
-
-    Without dcn axes the ici axes span every device of every process. With a dcn_*_parallelism
-    > 1 the dcn axes span the processes (their product is num_processes) and the ici axes the
-    devices of one process, as MaxText's hybrid mesh does across slices.
-    """
-    _fill_one(values, DCN_KEYS, values["num_processes"], "processes")
-    dcn = 1
-    for key in DCN_KEYS:
-        dcn *= values[key]
-    if dcn > 1 and dcn != values["num_processes"]:
-        product = " x ".join(f"{k}={values[k]}" for k in DCN_KEYS if values[k] > 1)
-        raise ConfigError(
-            f"{product} spans {dcn} processes but num_processes={values['num_processes']}; "
-            f"the dcn axes split the processes, so their product must be num_processes"
-        )
-    if all(values[k] != -1 for k in PARALLELISM_KEYS):
-        _fill_one(values, PARALLELISM_KEYS, 1, "devices")  # checks the values only
-        return
-    if available_devices is None:
-        from MaxText import devices  # deferred: probing devices initialises JAX's backends
-
-        available_devices = devices.available_device_count(
-            values["coordinator_address"], values["num_processes"], values["process_id"]
-        )
-    _fill_one(values, PARALLELISM_KEYS, available_devices // dcn, "devices")
-
-
 def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
     v = values
     apply_maxtext_values(v)
@@ -524,7 +456,7 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     if v["per_device_batch_size"] <= 0:
         raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: must be > 0")
     validate_data(v)
-    _resolve_parallelism(v, None)
+    resolve_parallelism(v, None)
     for axis in MESH_AXES:
         v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
     pp = v["mesh_pipeline"]
