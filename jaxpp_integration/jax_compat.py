@@ -217,9 +217,16 @@ def persistent_cache_reads():
         jax.monitoring.unregister_event_listener(listener)
 
 
+@contextlib.contextmanager
 def without_persistent_cache():
-    """A context in which this thread's compiles neither read nor write JAX's persistent
-    compilation cache."""
-    from jax._src import config
+    """A context in which compiles neither read nor write JAX's persistent compilation cache.
+    JAX decides once per process whether the cache is used, so the decision is reset on entry
+    and on exit (compiles of other threads meanwhile may skip the cache too)."""
+    from jax._src import compilation_cache, config
 
-    return config.enable_compilation_cache(False)
+    with config.enable_compilation_cache(False):
+        compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            compilation_cache.reset_cache()
