@@ -112,10 +112,12 @@ def test_resume_with_grain_workers_is_bitwise(shards, tmp_path, layout):
     train(shards, tmp_path, "run", "steps=20", "grain_worker_count=2", *layout)
     full = losses(tmp_path, "full")
     assert_bitwise(full, losses(tmp_path, "run"), "10 + resume + 10 vs 20 steps")
-    # The same checkpoint resumed with another worker count (here: none) continues alike.
-    train(shards, tmp_path, "other", "steps=20", "grain_worker_count=0", *layout)
-    other = losses(tmp_path, "other", range(11, 21))
-    assert_bitwise(full[10:], other, "resumed with grain_worker_count=0")
+    # The same checkpoint resumed with another worker count (here: none) continues alike (one
+    # layout suffices: the worker count changes only how the data is read).
+    if layout:
+        train(shards, tmp_path, "other", "steps=20", "grain_worker_count=0", *layout)
+        other = losses(tmp_path, "other", range(11, 21))
+        assert_bitwise(full[10:], other, "resumed with grain_worker_count=0")
 
 
 # ------------------------------------------------------------------------------ memory bound
