@@ -2,9 +2,9 @@
 setup:
 	./setup.sh
 test:
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile tests
 test-fast:
-	.venv/bin/python -m pytest -q -m "not slow" tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
 format:

@@ -78,13 +78,22 @@ def test_second_run_compiles_nothing_and_trains_alike(tmp_path):
     assert jax.config.jax_compilation_cache_dir is None  # JAX's settings are back
 
 
-def test_default_cache_lives_for_the_run_only(tmp_path):
-    """jax_cache_dir="": a temporary cache while the trainer runs, removed afterwards."""
-    before = set(Path(tempfile.gettempdir()).glob("maxtext_jax_cache_*"))
+def test_default_cache_lives_for_the_run_only(tmp_path, monkeypatch):
+    """jax_cache_dir="": a temporary cache while the trainer runs, removed afterwards (in a
+    temporary folder of this test's own, so runs in parallel test workers do not interfere)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    created = []
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(
+        tempfile, "mkdtemp", lambda **kw: created.append(mkdtemp(**kw)) or created[-1]
+    )
     with cache_events() as events:
         train(tmp_path, "run")  # SPMD: the cache's lifetime does not depend on the layout
     assert events[MISSES] > 0  # the run compiled through the cache
-    assert set(Path(tempfile.gettempdir()).glob("maxtext_jax_cache_*")) == before
+    assert [Path(d).parent for d in created if "maxtext_jax_cache_" in d] == [scratch]
+    assert list(scratch.glob("maxtext_jax_cache_*")) == []
     assert jax.config.jax_compilation_cache_dir is None
 
 
