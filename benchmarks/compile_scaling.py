@@ -190,7 +190,7 @@ def main():
         print(json.dumps(measure_one(int(args.one[0]), args.one[1])), flush=True)
         return
 
-    from benchmarks.engine_overhead import machine_info
+    from benchmarks.machine import machine_info
 
     info = machine_info()
     info["loadavg_start"] = os.getloadavg()

@@ -60,12 +60,9 @@ device, transfers go over NVLink/NCCL instead of host memcpy, and kernels are as
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,12 +76,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
-import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jaxpp_integration as jaxpp  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from jaxpp_integration import api as jaxpp_api  # noqa: E402
 from jaxpp_integration import runtime as runtime_mod  # noqa: E402
 from jaxpp_integration.jax_compat import copy_shards  # noqa: E402
@@ -461,47 +458,6 @@ def bench_compile(cfg, reps):
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def machine_info():
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "jaxpp_integration"],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", None
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "optax": optax.__version__,
-        "backend": jax.default_backend(),
-        "num_devices": jax.device_count(),
-        "loadavg_start": None,
-        "git_commit": commit,
-        "engine_tree_dirty": dirty,
-    }
 
 
 def print_compile(compile_):
