@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import checkpointing, devices
+from MaxText.checkpoint import manager as checkpointing
+from MaxText.cluster import devices
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.model import Decoder
 

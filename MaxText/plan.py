@@ -3,9 +3,9 @@
     python -m MaxText.plan configs/base.yml [key=value ...] [--hardware h100|h200|a100|cpu]
                            [--json FILE]
 
-It plans the config as `train.py` would run it (`MaxText.plan_step`: the trainer's real step
-compiled on abstract inputs, no parameter memory), with every `auto` key decided as the trainer
-decides it (`MaxText.plan_auto`), and prints per pipeline group and per device: parameters,
+It plans the config as `train.py` would run it (`MaxText.planning.cost_model`: the trainer's real
+step compiled on abstract inputs, no parameter memory), with every `auto` key decided as the trainer
+decides it (`MaxText.planning.auto`), and prints per pipeline group and per device: parameters,
 optimizer state, gradient accumulators, peak activations, XLA temporaries and the total peak;
 then the predicted step time, bubble and MFU, the stage split (even vs auto side by side) and the
 remat policy of each stage.
@@ -21,10 +21,10 @@ import dataclasses
 import json
 import sys
 
-from MaxText.compile_cache import compilation_cache
-from MaxText.hardware import GB, HARDWARE, cpu_hardware
-from MaxText.plan_auto import describe_remat, make_plan, resolve_schedule
-from MaxText.plan_step import Plan, byte_unit, format_bytes
+from MaxText.cluster.compile_cache import compilation_cache
+from MaxText.planning.auto import describe_remat, make_plan, resolve_schedule
+from MaxText.planning.cost_model import Plan, byte_unit, format_bytes
+from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
 
 
 def format_plan(plan: Plan) -> str:
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from MaxText.metrics import setup_logging
 
     setup_logging()
-    from MaxText import devices
+    from MaxText.cluster import devices
     from MaxText.config import ConfigError, load_config
 
     try:

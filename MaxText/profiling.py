@@ -96,7 +96,7 @@ def write_pipeline_timeline(
 ) -> str:
     """PNGs of the step `compiled` just ran with `record_times=True` (measured, and simulated
     from the measured task durations); returns the measured one's path."""
-    from jaxpp_integration import measure, timeline
+    from jaxpp_integration.tools import measure, timeline
 
     summary = measure.measure_step(compiled.last_events, compiled.schedule)
     suffix = f"_process{config.process_id}" if config.num_processes > 1 else ""

@@ -3,7 +3,7 @@
     python train.py configs/base.yml [key=value ...]      (or: python -m MaxText.train ...)
 
 Order: config -> devices (emulated CPU devices if needed) -> mesh -> data -> model + compiled steps
--> state (fresh, or restored: `MaxText/checkpointing.py`) -> loop -> metrics / checkpoints.
+-> state (fresh, or restored: `MaxText/checkpoint/manager.py`) -> loop -> metrics / checkpoints.
 
 The loop dispatches step N+1 before reading step N's metrics back, so the host prepares the next
 batch while the devices work; step time is the interval between consecutive step completions.
@@ -27,11 +27,13 @@ import jax
 import numpy as np
 
 import jaxpp_integration as jaxpp
-from MaxText import devices, flops, memory, sharding
-from MaxText.checkpointing import Checkpoints
+from MaxText import memory, sharding
+from MaxText.checkpoint.manager import Checkpoints
+from MaxText.cluster import devices
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
+from MaxText.planning import flops
 from MaxText.profiling import Profiler
 from MaxText.train_step import Trainer, build_trainer, evaluate, measured_train_step
 
@@ -203,8 +205,8 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    from MaxText.compile_cache import compilation_cache
-    from MaxText.plan_auto import resolve_auto
+    from MaxText.cluster.compile_cache import compilation_cache
+    from MaxText.planning.auto import resolve_auto
 
     with compilation_cache(config.jax_cache_dir):
         config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat

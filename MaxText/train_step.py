@@ -2,9 +2,10 @@
 
 State layout (the checkpoint seam): a dict `{"step": int32[], "params": ..., "opt_state": ...}` of
 plain arrays. `params` names the decoder layers `layers_0`, `layers_1`, ... when unrolled, and
-stacks them under `layers` / `layers_stage_<s>` with `scan_layers=true` (`MaxText/model.py`); the
-initial values are the same in every layout (`init_params`), and checkpoints store one canonical
-tree (`MaxText/checkpoint_layout.py`), so a checkpoint written by one layout can be read by another.
+stacks them under `layers` / `layers_stage_<s>` with `scan_layers=true`
+(`MaxText/model/decoder.py`); the initial values are the same in every layout (`init_params`), and
+checkpoints store one canonical tree (`MaxText/checkpoint/layout.py`), so a checkpoint written by
+one layout can be read by another.
 
 The step is a pure function `(state, batch) -> (state, metrics)`:
 
@@ -439,11 +440,11 @@ def evaluate(trainer: Trainer, params, batches: Iterable[dict[str, np.ndarray]],
 def measured_train_step(trainer: Trainer, state, batch, **step_kwargs):
     """One train step that also measures the peak bytes per device of each pipeline group:
     `(state, metrics, [peak per group])`. Pipelined: the device buffers alive after every
-    instruction of the step (`jaxpp_integration.runtime.measuring_device_bytes`; it waits for
-    each task, so this step runs slower), the largest device of each group. SPMD: the backend's
+    instruction of the step (`jaxpp_integration.runtime.executor.measuring_device_bytes`; it waits
+    for each task, so this step runs slower), the largest device of each group. SPMD: the backend's
     `peak_bytes_in_use` where it reports memory stats (GPU), else None. `step_kwargs` go to the
     step call (the profiler's `record_times=True`)."""
-    from jaxpp_integration.runtime import measuring_device_bytes
+    from jaxpp_integration.runtime.executor import measuring_device_bytes
 
     if trainer.mpmd_mesh is None:
         state, metrics = trainer.train_step(state, batch, **step_kwargs)

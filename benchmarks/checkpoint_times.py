@@ -7,7 +7,7 @@ Run from the repository root:
 For each layout (`pipeline_parallelism=1` on one device, `pipeline_parallelism=4` on four emulated
 CPU devices) it builds the trainer exactly as `train.py` does (synthetic data: only the state
 matters), runs one training step so the state is what a real loop saves (for the pipelined run:
-`MpmdArray`s spread over the 4 groups), then times through `MaxText.checkpointing.Checkpoints`,
+`MpmdArray`s spread over the 4 groups), then times through `MaxText.checkpoint.manager.Checkpoints`,
 the code the loop calls:
 
 - `async blocking`: `maybe_save` with `async_checkpointing=true` until it returns (the arrays are
@@ -56,7 +56,9 @@ def measure(layout: list[str], extra: list[str], repeats: int, workdir: Path) ->
     import jax
     import numpy as np
 
-    from MaxText import checkpointing, devices, sharding
+    from MaxText import sharding
+    from MaxText.checkpoint import manager as checkpointing
+    from MaxText.cluster import devices
     from MaxText.config import CONFIGS_DIR, load_config
     from MaxText.data import make_data
     from MaxText.model import count_params

@@ -16,8 +16,8 @@ one of:
   in the forward and one in the backward: activation traffic, not gradient traffic).
 For m in {4, 8, 16} microbatches, both `gradient_reduction` modes (and, with fsdp, "step" plus
 `pipeline_fsdp_ag_once=True`), every `Run` instruction's
-executable is read with `jaxpp_integration.collectives.program_collectives`: launches and bytes
-(per device, of each collective's result) per step by kind, plus the cross-group transfers.
+executable is read with `jaxpp_integration.tools.collectives.program_collectives`: launches and
+bytes (per device, of each collective's result) per step by kind, plus the cross-group transfers.
 The goal: gradient-reduction launches and bytes per step independent of m with "step" (they are
 m x with "microbatch").
 """
@@ -40,7 +40,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpp_integration as jaxpp  # noqa: E402
-from jaxpp_integration.collectives import program_collectives  # noqa: E402
+from jaxpp_integration.tools.collectives import program_collectives  # noqa: E402
 
 WIDTH = 64
 ROWS = 8  # rows per microbatch

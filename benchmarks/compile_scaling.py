@@ -70,7 +70,8 @@ def measure_one(layers: int, variant: str) -> dict:
     import jax
 
     import jaxpp_integration as jaxpp
-    from MaxText import devices, sharding
+    from MaxText import sharding
+    from MaxText.cluster import devices
     from MaxText.config import ConfigError, load_config
     from MaxText.train_step import build_trainer
 

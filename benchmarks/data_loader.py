@@ -90,7 +90,8 @@ def loader_tokens_per_s(workers: int, batches: int) -> dict:
 def trainer_tokens_per_s(steps: int) -> dict:
     import jax
 
-    from MaxText import devices, sharding
+    from MaxText import sharding
+    from MaxText.cluster import devices
     from MaxText.train_step import build_trainer
 
     config = small_config()

@@ -4,8 +4,8 @@ every schedule.
     python benchmarks/plan_validation.py [--models tiny,small] [--pp 2,4]   (~15 min on 2 cores)
 
 Per row, in one process per (model, pp) (each needs its own number of emulated devices):
-- planned: `MaxText.plan_auto.make_plan` (what `python -m MaxText.plan` prints: the step compiled on
-  abstract inputs), per group `live_peak_bytes` (live values at every instruction) and
+- planned: `MaxText.planning.auto.make_plan` (what `python -m MaxText.plan` prints: the step
+  compiled on abstract inputs), per group `live_peak_bytes` (live values at every instruction) and
   `peak_bytes` (plus the largest XLA temporaries of the group's tasks);
 - measured: the trainer's own step (`train_step.build_trainer`, real parameters, one step on a
   zero batch) through `measured_train_step`, the device buffers alive after every instruction,
@@ -62,9 +62,10 @@ def measure(keys: list[str]) -> dict:
     import jax
     import numpy as np
 
-    from MaxText import plan_auto, sharding
+    from MaxText import sharding
     from MaxText.config import CONFIGS_DIR, load_config
-    from MaxText.hardware import cpu_hardware
+    from MaxText.planning import auto as plan_auto
+    from MaxText.planning.hardware import cpu_hardware
     from MaxText.train_step import _batch_shapes, build_trainer, measured_train_step
 
     config = load_config([str(CONFIGS_DIR / "base.yml"), *keys])
@@ -89,7 +90,7 @@ def measure(keys: list[str]) -> dict:
 
 
 def child(model: str, pp: int) -> None:
-    from MaxText import devices
+    from MaxText.cluster import devices
 
     devices.setup(pp)
     results = []

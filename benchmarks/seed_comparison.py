@@ -27,7 +27,7 @@ same batch every step, outputs fed back as inputs. The median step time is repor
 losses of every step (they must agree across the variants: same initial parameters, same data).
 For the pipelined variants one extra step runs with `record_times=True` (each task blocked on and
 timed alone): its per-task costs give the simulated makespan and bubble of the schedule
-(`jaxpp_integration.measure`), its timeline is drawn to a PNG, and the engine's live-byte
+(`jaxpp_integration.tools.measure`), its timeline is drawn to a PNG, and the engine's live-byte
 accounting gives the peak bytes per group.
 
 Writes `benchmarks/results/seed_comparison.json` (all timings, losses, machine, load) and, per
@@ -69,8 +69,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import jaxpp_integration as jaxpp  # noqa: E402
-from jaxpp_integration.measure import measure_step, to_events  # noqa: E402
-from jaxpp_integration.timeline import draw_timeline  # noqa: E402
+from jaxpp_integration.tools.measure import measure_step, to_events  # noqa: E402
+from jaxpp_integration.tools.timeline import draw_timeline  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

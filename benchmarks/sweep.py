@@ -22,8 +22,8 @@ Columns (see `COLUMNS`): the point and its resolved config, step time (median ov
 steps), tokens/s/device, TFLOP/s/device and MFU at that step time (the trainer's formulas, from
 its metrics.jsonl), compile time (the trainer's `compile_seconds`), the simulated bubble and peak
 live activations per rank of the schedule with unit costs (forward 1, backward 2;
-`jaxpp_integration.simulate`), and the measured peak live bytes per group of the last step (the
-engine's accounting, `last_memory`; pipelined points only).
+`jaxpp_integration.schedules.simulate`), and the measured peak live bytes per group of the last
+step (the engine's accounting, `last_memory`; pipelined points only).
 
 How the per-point figures are read. The trainer writes metrics.jsonl (its documented contract);
 compile time and live bytes are not in it, so each point runs in a small worker
@@ -229,7 +229,7 @@ def validate(point: Point) -> str | None:
     )
     if point.pp > 1:
         from jaxpp_integration.schedules import ScheduleError, schedule_from_name
-        from jaxpp_integration.simulate import Costs, simulate
+        from jaxpp_integration.schedules.simulate import Costs, simulate
 
         try:
             sim = simulate(

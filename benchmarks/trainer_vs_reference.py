@@ -44,7 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from MaxText import devices, sharding  # noqa: E402
+from MaxText import sharding  # noqa: E402
+from MaxText.cluster import devices  # noqa: E402
 from MaxText.config import load_config  # noqa: E402
 from MaxText.data import make_data  # noqa: E402
 from MaxText.model import Decoder  # noqa: E402

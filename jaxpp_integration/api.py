@@ -16,21 +16,23 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_integration import partition as _partition
-from jaxpp_integration import placement as _placement
-from jaxpp_integration import program as _program
-from jaxpp_integration import unreduced as _unreduced
-from jaxpp_integration.array import MpmdArray
-from jaxpp_integration.compile import compile_program
-from jaxpp_integration.fetch import fetch
+from jaxpp_integration.compiler import partition as _partition
+from jaxpp_integration.compiler import placement as _placement
+from jaxpp_integration.compiler import program as _program
+from jaxpp_integration.compiler import unreduced as _unreduced
+from jaxpp_integration.compiler.compile import compile_program
+from jaxpp_integration.compiler.render import render_program
+from jaxpp_integration.frontend.array import MpmdArray
+from jaxpp_integration.frontend.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
+from jaxpp_integration.frontend.mesh import MpmdMesh
+from jaxpp_integration.frontend.reductions import Add, Concat, Max
+from jaxpp_integration.frontend.treduce import pipelined_tracing, treduce
 from jaxpp_integration.jax_compat import wait_at_barrier
-from jaxpp_integration.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
-from jaxpp_integration.memory import MemoryReport
-from jaxpp_integration.mesh import MpmdMesh
-from jaxpp_integration.reductions import Add, Concat, Max
-from jaxpp_integration.render import render_program
-from jaxpp_integration.reshard import mpmd_to_spmd_reshard
-from jaxpp_integration.runtime import execute, prepare
+from jaxpp_integration.runtime.executor import execute, prepare
+from jaxpp_integration.runtime.fetch import fetch
+from jaxpp_integration.runtime.reshard import mpmd_to_spmd_reshard
+from jaxpp_integration.runtime.transfer import cross_process_transfer
+from jaxpp_integration.runtime.watchdog import Watchdog, describe_instruction
 from jaxpp_integration.schedules import (
     DualPipeV,
     Eager1F1B,
@@ -45,10 +47,8 @@ from jaxpp_integration.schedules import (
     ZeroBubble,
     schedule_from_name,
 )
-from jaxpp_integration.transfer import cross_process_transfer
-from jaxpp_integration.treduce import pipelined_tracing, treduce
-from jaxpp_integration.validation import check_cross_process_order
-from jaxpp_integration.watchdog import Watchdog, describe_instruction
+from jaxpp_integration.schedules.validation import check_cross_process_order
+from jaxpp_integration.tools.memory import MemoryReport
 
 __all__ = [
     "Add",

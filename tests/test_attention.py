@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from compare import assert_bitwise, assert_close_per_leaf
 
-from MaxText import attention
 from MaxText.config import CONFIGS_DIR, load_config
-from MaxText.model import Decoder
+from MaxText.model import Decoder, attention
 from MaxText.train_step import CPU_INIT_COMPILER_OPTIONS
 
 SMALL = [
@@ -216,7 +215,8 @@ def test_chunked_under_sharding_and_pipelining():
     same 4 microbatches. Not bitwise: sharded reductions sum in another order; 1e-5."""
     from small_model import SMALL_MODEL
 
-    from MaxText import devices, sharding
+    from MaxText import sharding
+    from MaxText.cluster import devices
     from MaxText.train_step import build_trainer
 
     def one_step(*overrides):

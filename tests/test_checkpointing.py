@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 from small_model import SMALL_MODEL
 
-from MaxText import checkpointing, devices, sharding
+from MaxText import sharding
+from MaxText.checkpoint import manager as checkpointing
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.data import make_data
 from MaxText.train import main

@@ -20,8 +20,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.collectives import hlo_collectives, program_collectives, task_collectives
-from jaxpp_integration.program import Run
+from jaxpp_integration.compiler.program import Run
+from jaxpp_integration.tools.collectives import (
+    hlo_collectives,
+    program_collectives,
+    task_collectives,
+)
 
 
 def mlp_setup(num_stages, n_mb, width=16, mb_size=8, seed=0):

@@ -15,8 +15,9 @@ import pytest
 from small_model import SMALL_MODEL
 from test_train import make_batches
 
-from jaxpp_integration.collectives import task_collectives
-from MaxText import devices, sharding
+from jaxpp_integration.tools.collectives import task_collectives
+from MaxText import sharding
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.train_step import build_trainer
 
@@ -91,15 +92,15 @@ def test_microbatch_reduction_accumulates_gradients_sharded_like_parameters(tmp_
     gradient bytes equal its parameter bytes (the plan's replay of the program, against the
     parameter shards' bytes read from the trainer's state); with "step" the deferred partial
     sums are full-size per device: twice the parameters. Losses agree to rounding (1e-6)."""
-    from MaxText import plan_step
-    from MaxText.hardware import cpu_hardware
+    from MaxText.planning import cost_model
+    from MaxText.planning.hardware import cpu_hardware
 
     extra = ("ici_fsdp_parallelism=2",)
     config, per_mb = _trainer(tmp_path, 4, "microbatch", *extra)
     _, step_mode = _trainer(tmp_path, 4, "step", *extra)
     hardware = cpu_hardware(config.num_devices)
     planned = {
-        mode: plan_step.plan_compiled(config, hardware, t.train_step, t.abstract_state)
+        mode: cost_model.plan_compiled(config, hardware, t.train_step, t.abstract_state)
         for mode, t in (("microbatch", per_mb), ("step", step_mode))
     }
     last = len(planned["step"].groups) - 1

@@ -1,4 +1,4 @@
-"""`jax_cache_dir` and the run-long compilation cache (`MaxText/compile_cache.py`).
+"""`jax_cache_dir` and the run-long compilation cache (`MaxText/cluster/compile_cache.py`).
 
 Counted with JAX's own cache events (`jax.monitoring`): a second run of the same pipelined
 training with `jax_cache_dir` set compiles nothing (every program is a cache hit) and trains

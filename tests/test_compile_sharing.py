@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpp_integration as jaxpp
+from jaxpp_integration.compiler.program import Run
 from jaxpp_integration.jax_compat import load_compiled_on
-from jaxpp_integration.program import Run
 
 # Compiles are counted here: without the session's persistent compilation cache (see conftest),
 # except in the test of that cache's own case.
@@ -200,7 +200,7 @@ def test_loaded_copies_of_cached_programs_run(tmp_path):
     when the copy runs), so the engine compiles each shared program once more, without the
     cache, and loads other groups' copies from that: the second compile of the same step runs
     bitwise like jax.jit, with at most one extra compile per shared program."""
-    from MaxText.compile_cache import compilation_cache
+    from MaxText.cluster.compile_cache import compilation_cache
 
     params, batch, loss_fn = uniform_mlp(4)
     opt = optax.sgd(0.1)

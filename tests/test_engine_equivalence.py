@@ -20,7 +20,7 @@ from engine_models import (
 )
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.program import Run, Transfer
+from jaxpp_integration.compiler.program import Run, Transfer
 from jaxpp_integration.schedules import Phase, Task
 
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.program import Run
+from jaxpp_integration.compiler.program import Run
 from jaxpp_integration.schedules import Phase, ScheduleError, Task
 
 

@@ -11,8 +11,8 @@ import pytest
 from engine_models import make_step, mpmd_mesh, tied_mlp_setup
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.program import Run, Transfer
-from jaxpp_integration.runtime import measuring_device_bytes
+from jaxpp_integration.compiler.program import Run, Transfer
+from jaxpp_integration.runtime.executor import measuring_device_bytes
 from jaxpp_integration.schedules import Phase
 
 TOLERANCE = 0.05

@@ -17,10 +17,10 @@ from compare import assert_bitwise, assert_on_group
 from engine_models import clipping_sgd, make_step, mpmd_mesh, run_both, tied_mlp_setup
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.measure import to_events
-from jaxpp_integration.program import Run
+from jaxpp_integration.compiler.program import Run
 from jaxpp_integration.schedules import Phase, Task, item_tasks
-from jaxpp_integration.simulate import simulate
+from jaxpp_integration.schedules.simulate import simulate
+from jaxpp_integration.tools.measure import to_events
 
 
 def engine_tasks_per_group(compiled) -> list[list[Task]]:

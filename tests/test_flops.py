@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from MaxText import flops
 from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.planning import flops
 
 
 def load(*overrides):

@@ -25,16 +25,16 @@ from engine_models import make_step, mpmd_mesh, tied_mlp_setup
 from matplotlib.image import imread
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.measure import (
+from jaxpp_integration.schedules import Phase, Task, item_tasks
+from jaxpp_integration.schedules.simulate import Costs, simulate
+from jaxpp_integration.tools.measure import (
     COST_FLOOR,
     loop_records,
     measure_step,
     measured_costs,
     to_events,
 )
-from jaxpp_integration.schedules import Phase, Task, item_tasks
-from jaxpp_integration.simulate import Costs, simulate
-from jaxpp_integration.timeline import draw_timeline
+from jaxpp_integration.tools.timeline import draw_timeline
 
 N_RANKS, N_MB = 4, 8
 

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpp_integration import marker as jaxpp_marker
-from MaxText import layers, sharding
+from jaxpp_integration.frontend import marker as jaxpp_marker
+from MaxText import sharding
 from MaxText.config import CONFIGS_DIR, load_config
-from MaxText.model import Decoder, cross_entropy_sums
+from MaxText.model import Decoder, cross_entropy_sums, layers
 from MaxText.train_step import CPU_INIT_COMPILER_OPTIONS
 
 SMALL = [
@@ -182,7 +182,7 @@ def test_marker_positions(monkeypatch):
             events.append(context.module.name)
         return next_fun(*args, **kwargs)
 
-    import MaxText.model as model_module
+    import MaxText.model.decoder as model_module
 
     def marker(x, name=None):
         events.append("|")

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 from small_model import SMALL_MODEL
 
-from MaxText import devices, plan, plan_auto, plan_step
+from MaxText import plan
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
-from MaxText.hardware import HARDWARE, cpu_hardware
 from MaxText.model import Decoder
+from MaxText.planning import auto as plan_auto
+from MaxText.planning import cost_model
+from MaxText.planning.hardware import HARDWARE, cpu_hardware
 
 BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
 
@@ -218,7 +221,7 @@ def test_planned_peak_within_10_percent_of_measured(tmp_path, schedule, pp, repe
         }
     )
     _, _, measured = measured_train_step(trainer, state, batch)
-    p = plan_step.plan_compiled(
+    p = cost_model.plan_compiled(
         config, cpu_hardware(config.num_devices), trainer.train_step, trainer.abstract_state
     )
     planned = [g.live_peak_bytes for g in p.groups]
@@ -230,7 +233,7 @@ def test_scan_counts_every_layer():
     """XLA's cost analysis counts a loop body once; the plan's FLOPs count a scan's body once per
     layer (checked on a hand count), so a scanned model's predicted step matches the unrolled
     model's (within 10 %; they are different programs) instead of looking layers x cheaper."""
-    from MaxText.flops import matmul_flops
+    from MaxText.planning.flops import matmul_flops
 
     def stack(w, x):
         return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]

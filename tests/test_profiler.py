@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from small_model import SMALL_MODEL
 
-from MaxText import devices, memory, sharding
+from MaxText import memory, sharding
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, ConfigError, load_config
 from MaxText.train import run
 from MaxText.train_step import build_trainer, make_train_step

@@ -10,10 +10,13 @@ import random
 import pytest
 from small_model import SMALL_MODEL
 
-from MaxText import devices, plan, plan_auto, plan_step
-from MaxText import remat_choice as rc
+from MaxText import plan
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
-from MaxText.hardware import cpu_hardware
+from MaxText.planning import auto as plan_auto
+from MaxText.planning import cost_model
+from MaxText.planning import remat_choice as rc
+from MaxText.planning.hardware import cpu_hardware
 
 BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
 
@@ -113,7 +116,7 @@ def compiled_by_policy():
     plans = {}
     for policy in ("full", "none", "minimal"):
         one = dataclasses.replace(config, remat_policy=policy, stage_remat=(policy,) * 2)
-        plans[policy] = plan_step.plan_pipelined(one, hardware)
+        plans[policy] = cost_model.plan_pipelined(one, hardware)
     return config, hardware, plans
 
 
@@ -204,8 +207,8 @@ def test_split_and_remat_chosen_together_beat_remat_on_the_even_split(caplog):
     prediction, and its predicted step is faster than the even split's with policies chosen for
     it (`plan_remat_auto`, also compiled). H100 compute with unbounded bandwidths, so that task
     times follow FLOPs as the model assumes."""
-    from MaxText.hardware import HARDWARE
-    from MaxText.stage_balance import balance_with_options
+    from MaxText.planning.hardware import HARDWARE
+    from MaxText.planning.stage_balance import balance_with_options
 
     config = _config(
         "pipeline_parallelism=2",
@@ -219,7 +222,7 @@ def test_split_and_remat_chosen_together_beat_remat_on_the_even_split(caplog):
         "pipeline_stage_layers=auto",
     )
     hardware = dataclasses.replace(HARDWARE["h100"], hbm_gbps=1e12, link_gbps=1e12)
-    base = plan_step.plan_pipelined(config, hardware)
+    base = cost_model.plan_pipelined(config, hardware)
     assert base.stage_layers == [8, 8] and base.stage_remat == ("full", "full")
     rows = config.microbatch_size / config.data_parallel_devices
     profile = rc.layer_profile(config)

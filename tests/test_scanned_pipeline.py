@@ -18,9 +18,10 @@ import pytest
 from compare import assert_bitwise, assert_close_per_leaf, assert_on_group
 from small_model import SMALL_MODEL
 
-from MaxText import devices, sharding
-from MaxText.checkpoint_layout import CanonicalLayout, canonical_tree, numpy_stack
-from MaxText.checkpointing import load_params
+from MaxText import sharding
+from MaxText.checkpoint.layout import CanonicalLayout, canonical_tree, numpy_stack
+from MaxText.checkpoint.manager import load_params
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder
 from MaxText.optimizer import make_optimizer
@@ -289,7 +290,7 @@ def _trainer(base, *overrides):
 
 
 def _checkpoints(config, trainer, run_dir):
-    from MaxText.checkpointing import Checkpoints
+    from MaxText.checkpoint.manager import Checkpoints
 
     config = dataclasses.replace(config, enable_checkpointing=True, output_dir=str(run_dir))
     return Checkpoints(config, trainer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from MaxText.config import CONFIGS_DIR, load_config
-from MaxText.schedule_choice import Baseline, candidates, choose, predict
+from MaxText.planning.schedule_choice import Baseline, candidates, choose, predict
 
 
 def baseline(**kw):

@@ -20,7 +20,7 @@ from jaxpp_integration.schedules import (
     ZeroBubble,
     task_dependencies,
 )
-from jaxpp_integration.simulate import Costs, Event, simulate
+from jaxpp_integration.schedules.simulate import Costs, Event, simulate
 
 F, B, BI, BW = Phase.FWD, Phase.BWD, Phase.BWD_I, Phase.BWD_W
 UNIT = Costs(fwd=1.0, bwd=1.0)  # equal forward and backward

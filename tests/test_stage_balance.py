@@ -9,12 +9,12 @@ import itertools
 import pytest
 
 from MaxText.config import CONFIGS_DIR, ConfigError, load_config
-from MaxText.stage_balance import (
+from MaxText.config.pipeline import parse_stage_layers
+from MaxText.planning.stage_balance import (
     LayerOption,
     StageCosts,
     balance,
     balance_with_options,
-    parse_stage_layers,
 )
 
 

@@ -5,8 +5,8 @@ import pytest
 from matplotlib.image import imread
 
 from jaxpp_integration.schedules import DualPipeV, Interleaved1F1B
-from jaxpp_integration.simulate import Costs, Event, simulate
-from jaxpp_integration.timeline import KIND_COLORS, draw_timeline, main
+from jaxpp_integration.schedules.simulate import Costs, Event, simulate
+from jaxpp_integration.tools.timeline import KIND_COLORS, draw_timeline, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -20,7 +20,8 @@ import optax
 import pytest
 from small_model import SMALL_MODEL
 
-from MaxText import devices, sharding
+from MaxText import sharding
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder, cross_entropy_sums
 from MaxText.optimizer import _decay_mask, learning_rate_schedule, make_optimizer
@@ -158,7 +159,7 @@ def test_scanned_and_unrolled_layers_train_alike(one_device, tmp_path):
     """
     from compare import assert_bitwise
 
-    from MaxText.checkpoint_layout import canonical_tree
+    from MaxText.checkpoint.layout import canonical_tree
 
     config_default = small_config(tmp_path)
     other = "scan_layers=false" if config_default.scan_layers else "scan_layers=true"
@@ -457,7 +458,7 @@ def test_fsdp_inside_stages_splits_the_microbatch(tmp_path):
     computes half of each microbatch, so the hidden state a stage sends to the next is split
     along the batch (the trainer's activation constraints hold inside pipeline stages too).
     Reference: the microbatch size over the fsdp axis, from the config alone."""
-    from jaxpp_integration.program import Transfer
+    from jaxpp_integration.compiler.program import Transfer
 
     config, trainer = build(
         tmp_path, "pipeline_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4"

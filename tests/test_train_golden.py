@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from MaxText import devices, sharding
+from MaxText import sharding
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.train_step import build_trainer
 

@@ -19,7 +19,8 @@ import pytest
 from compare import assert_bitwise
 from small_model import SMALL_MODEL
 
-from MaxText import devices, sharding
+from MaxText import sharding
+from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, ConfigError, load_config
 from MaxText.model import Decoder, canonical_init, init_params
 from MaxText.optimizer import _decay_mask, make_optimizer

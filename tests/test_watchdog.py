@@ -8,7 +8,7 @@ import time
 import pytest
 from test_multihost import _launch
 
-from jaxpp_integration.watchdog import HANG_EXIT_CODE
+from jaxpp_integration.runtime.watchdog import HANG_EXIT_CODE
 
 HANG_TIMEOUT_S = 5.0  # tests/multihost_worker.py's value in `stop` mode
 

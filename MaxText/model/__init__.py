@@ -1,0 +1,11 @@
+"""The decoder-only language model: `decoder.py` (the model, its initialisation and loss),
+`layers.py` (norms, RoPE, attention and MLP blocks, one decoder layer), `attention.py` (the
+attention kernels `attention=` picks)."""
+
+from MaxText.model.decoder import (  # noqa: F401  (the package's public names)
+    Decoder,
+    canonical_init,
+    count_params,
+    cross_entropy_sums,
+    init_params,
+)

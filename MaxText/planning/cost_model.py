@@ -1,0 +1,410 @@
+"""One configuration's plan: does it fit, per pipeline group, and how fast will it be?
+
+`plan_pipelined` / `plan_spmd` build the trainer's real step for a config (the same
+`make_train_step`, model, optimizer, shardings and schedule `train.py` uses) and compile it on
+abstract inputs (`jax.ShapeDtypeStruct`s): emulated devices as needed, no parameter memory.
+From the compiled program they read, per pipeline group and per device:
+
+- parameters, optimizer state (everything else in the train state), gradient accumulators, peak
+  forward activations (the schedule's in-flight microbatches, from the engine's own program
+  replayed statically: `jaxpp_integration.tools.memory`), XLA temporaries (the largest
+  `memory_analysis().temp_size_in_bytes` of the group's tasks) and the total peak (live values at
+  every instruction plus the running task's temporaries);
+- the predicted step time: each task costs max(FLOPs / (peak x efficiency), bytes / HBM
+  bandwidth) from the compiled task's `cost_analysis()`, activations cross groups at the link's
+  bandwidth, and the simulator (`jaxpp_integration.schedules.simulate`) replays the schedule with
+  those costs; before- and after-loop work (the optimizer) is added per group. MFU = the model
+  FLOPs of `MaxText.planning.flops` / (devices x step time x peak);
+- the cost model the `auto` keys decide with (`Plan.stage_costs`, `Plan.baseline`).
+
+Temporaries come from the backend that compiles the plan: on a CPU host that is XLA:CPU, a proxy
+for the accelerator's compiler (usually larger: XLA:CPU reuses scratch buffers less). A `Plan` is
+data (`Plan.as_json`); `MaxText.planning.auto` decides the `auto` keys from plans, `MaxText.plan` is
+the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from MaxText.planning.hardware import GB, Hardware
+
+log = logging.getLogger("MaxText")
+
+# the time of a task with no work of its own (and the floor of `Hardware.task_seconds`)
+NO_WORK_S = 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """Bytes per device of one pipeline group (the SPMD step is one group)."""
+
+    group: int
+    params_bytes: int
+    optimizer_bytes: int
+    grad_bytes: int
+    activation_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    live_peak_bytes: int = 0  # peak without XLA temporaries (what device buffers show)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    fits: bool
+    hardware: str
+    stage_layers: list
+    schedule: str
+    num_microbatches: int
+    groups: list  # of GroupPlan
+    predicted: dict  # step_time_s, bubble, mfu
+    memory_bytes: float = 0.0  # per device, of the hardware planned for
+    stage_costs: Any = None  # stage_balance.StageCosts measured on this split (pipelined only)
+    baseline: Any = None  # schedule_choice.Baseline measured on this configuration
+    compared: Any = None  # the even split's Plan when this one was balanced automatically
+    stage_remat: tuple = ()  # remat policy per stage
+    live_microbatches: tuple = ()  # per group: microbatches (x stages) in flight at its peak
+    rows_per_microbatch: float = 0.0  # one microbatch's batch rows on each device
+    remat: Any = None  # remat_choice.RematChoice when remat_policy=auto chose the policies
+    gradient_reduction: str = "step"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "hardware": self.hardware,
+            "stage_layers": list(self.stage_layers),
+            "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "groups": [
+                {k: v for k, v in dataclasses.asdict(g).items() if k != "live_peak_bytes"}
+                for g in self.groups
+            ],
+            "predicted": dict(self.predicted),
+        }
+
+    def problems(self) -> list[str]:
+        return [
+            f"group {g.group} needs {format_bytes(g.peak_bytes)} per device but "
+            f"{self.hardware} has {format_bytes(self.memory_bytes)}" + _suggestion(g, self)
+            for g in self.groups
+            if g.peak_bytes > self.memory_bytes
+        ]
+
+
+def _suggestion(g: GroupPlan, plan: Plan) -> str:
+    """What to change for group `g` that does not fit, most effective first."""
+    tips = []
+    if plan.gradient_reduction == "step" and g.grad_bytes > 1.5 * g.params_bytes:
+        tips.append(
+            f"gradient_reduction=microbatch accumulates gradients sharded like the parameters "
+            f"({format_bytes(g.grad_bytes)} -> about {format_bytes(g.params_bytes)})"
+        )
+    state = g.params_bytes + g.optimizer_bytes + g.grad_bytes
+    if state > plan.memory_bytes / 2:
+        tips.append("more pipeline stages (pipeline_parallelism) or ici_fsdp_parallelism")
+    if g.activation_bytes + g.temp_bytes > g.peak_bytes / 3:
+        remat = "remat_policy=auto or full, " if set(plan.stage_remat) != {"full"} else ""
+        tips.append(
+            f"{remat}more num_pipeline_microbatches (smaller microbatches) or a smaller "
+            f"per_device_batch_size (activations {format_bytes(g.activation_bytes)}, temporaries "
+            f"{format_bytes(g.temp_bytes)})"
+        )
+    return f" (try {'; '.join(tips)})" if tips else " (try more pipeline stages or fsdp)"
+
+
+# ---------------------------------------------------------------------------------- building
+
+
+def _state_kind(path) -> str:
+    """'params' | 'optimizer' | 'batch' for one flat step input (args are (state, batch))."""
+    if path[0].idx != 0:
+        return "batch"
+    return "params" if getattr(path[1], "key", None) == "params" else "optimizer"
+
+
+def _cost(executable, hardware: Hardware, jaxpr_or_eqns=None, devices: int = 1):
+    """(FLOPs, bytes) per device of one compiled program, for `hardware.task_seconds`.
+
+    FLOPs: XLA's `cost_analysis()` counts a loop's body once, so a scanned stage would look
+    `layers` times cheaper; the program's own matmul FLOPs (`flops.matmul_flops`, scans counted
+    per iteration, split over the `devices` running it) are used when larger. Bytes: XLA's bytes
+    accessed (scaled like the FLOPs) when the compiling backend is the one that will run
+    (`hardware.compiler_bytes`); for a preset planned elsewhere, the program's arguments and
+    outputs (`memory_analysis()`), the traffic any backend must do: XLA:CPU's fusion, and so
+    its traffic, says little about a GPU's."""
+    from MaxText.planning.flops import matmul_flops
+
+    ca = executable.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    ca = ca or {}
+    flops, nbytes = float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+    if jaxpr_or_eqns is not None:
+        counted = matmul_flops(jaxpr_or_eqns) / devices
+        if counted > flops:
+            nbytes *= counted / flops if flops else 1.0
+            flops = counted
+    if not hardware.compiler_bytes:
+        m = executable.memory_analysis()
+        nbytes = float(m.argument_size_in_bytes + m.output_size_in_bytes)
+    return flops, nbytes
+
+
+def plan_pipelined(config, hardware: Hardware) -> Plan:
+    import jax
+
+    from MaxText import sharding
+    from MaxText import train_step as ts
+    from MaxText.model import Decoder
+    from MaxText.optimizer import make_optimizer
+
+    mesh = sharding.make_mesh(config, jax.devices()[: config.num_devices])
+    model = Decoder(config)
+    optimizer, lr = make_optimizer(config)
+    abstract_state, specs = ts.state_specs(config, model, optimizer)
+    fn = ts.pipelined_train_step(config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh))
+    t0 = time.perf_counter()
+    with sharding.axis_rules():  # as the trainer compiles it
+        compiled = fn.compile(abstract_state, ts._batch_shapes(config))
+    log.info("plan: step compiled on abstract inputs in %.1f s", time.perf_counter() - t0)
+    return plan_compiled(config, hardware, compiled, abstract_state)
+
+
+def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
+    """The plan read off an already compiled pipelined step (the planner's abstract one, or the
+    trainer's own `trainer.train_step`, as the validation against measured bytes does)."""
+    import jax
+
+    from jaxpp_integration.compiler.program import Run, Transfer
+    from jaxpp_integration.schedules import Phase
+    from jaxpp_integration.schedules.simulate import Costs, simulate
+    from jaxpp_integration.tools import memory
+
+    schedule = compiled.schedule
+    prog = compiled.program
+    nbytes = memory.shard_bytes(prog, compiled.slot_sharding)
+
+    temp, seconds = {}, {}
+    per_group = config.num_devices // prog.mpmd_dim  # devices running each task
+    for idx, ins in enumerate(prog.instrs):
+        if isinstance(ins, Run):
+            exe = compiled.executables[idx]
+            temp[idx] = int(exe.memory_analysis().temp_size_in_bytes)
+            seconds[idx] = hardware.task_seconds(*_cost(exe, hardware, ins.code.eqns, per_group))
+    peaks = memory.replay(prog, nbytes, temp_bytes=temp)
+
+    n = prog.mpmd_dim
+    params, opt, layer_params = [0] * n, [0] * n, [0] * n
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((abstract_state, 0))[0]][:-1]
+    for path, slots in zip(paths, prog.inputs):
+        kind = _state_kind(path)
+        in_layer = any(str(getattr(k, "key", "")).startswith("layers") for k in path)
+        for r, s in slots.items():
+            if kind == "params":
+                params[r] += nbytes[s]
+            elif kind == "optimizer":
+                opt[r] += nbytes[s]
+            if in_layer and kind == "params":
+                layer_params[r] += nbytes[s]
+    zeros = (0,) * n
+    groups = []
+    for r in range(n):
+        group_temp = max((t for i, t in temp.items() if prog.instrs[i].code.rank == r), default=0)
+        groups.append(
+            GroupPlan(
+                group=r,
+                params_bytes=params[r],
+                optimizer_bytes=opt[r],
+                grad_bytes=peaks.peak_by_kind.get("acc", zeros)[r],
+                activation_bytes=peaks.peak_activation_bytes[r],
+                temp_bytes=group_temp,
+                peak_bytes=peaks.peak_with_temp_bytes[r],
+                live_peak_bytes=peaks.peak_bytes[r],
+            )
+        )
+
+    # Step time: loop tasks through the simulator, before/after-loop work added per group.
+    per_task: dict = {}
+    outside = [0.0] * n
+    transfer_bytes, loop_made = 0, set()
+    for idx, ins in enumerate(prog.instrs):
+        if isinstance(ins, Run):
+            code = ins.code
+            if code.kind == "loop":
+                key = (code.phase, code.stage)
+                per_task[key] = max(per_task.get(key, 0.0), seconds[idx])
+                loop_made.update(ins.outs)
+            else:
+                outside[code.rank] += seconds[idx]
+        elif isinstance(ins, Transfer) and ins.src in loop_made:
+            # a stage boundary (activation forward, its gradient backward)
+            transfer_bytes = max(transfer_bytes, nbytes[ins.dst])
+    for stage in range(schedule.num_stages):  # a task with no work of its own (the last
+        for phase in Phase:  # stage's backward folded into its forward) costs nothing
+            per_task.setdefault((phase, stage), NO_WORK_S)
+    costs = Costs(transfer=transfer_bytes / (hardware.link_gbps * GB), per_task=per_task or None)
+    sim = simulate(schedule, config.num_pipeline_microbatches, costs)
+    step_time = sim.makespan + max(outside)
+    out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
+    stage_costs = _stage_costs(config, schedule, per_task, groups, layer_params)
+    baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
+    return dataclasses.replace(
+        out,
+        stage_costs=stage_costs,
+        baseline=baseline,
+        stage_remat=tuple(config.stage_remat),
+        live_microbatches=tuple(sim.peak_live_activations),
+        rows_per_microbatch=config.microbatch_size / config.data_parallel_devices,
+    )
+
+
+def _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside):
+    """What `schedule_choice` needs from this plan (see its module docstring)."""
+    from jaxpp_integration.schedules import Phase
+    from MaxText.planning.schedule_choice import Baseline
+
+    fwd = sum(t for (phase, _), t in per_task.items() if phase is Phase.FWD and t > NO_WORK_S)
+    total = sum(t for t in per_task.values() if t > NO_WORK_S)
+    layers = list(config.stage_layers)
+    stages0 = [s for s in range(len(layers)) if schedule.stage_to_rank(s) == 0]
+    mean0 = sum(layers[s] for s in stages0) / len(stages0)
+    live0 = max(sim.peak_live_activations[0], 1)
+    return Baseline(
+        num_groups=len(groups),
+        num_layers=config.num_decoder_layers,
+        microbatches=config.num_pipeline_microbatches,
+        global_batch=config.global_batch_size,
+        data_parallel=config.data_parallel_devices,
+        seconds_per_layer=stage_costs.seconds_per_layer,
+        first_extra_s=stage_costs.extra_seconds[0],
+        last_extra_s=stage_costs.extra_seconds[-1],
+        fwd_fraction=fwd / total if total else 1 / 3,
+        transfer_s=costs.transfer,
+        outside_s=max(outside),
+        activation_bytes_per_layer=groups[0].activation_bytes / (live0 * mean0),
+        other_bytes=tuple(g.peak_bytes - g.activation_bytes - g.temp_bytes for g in groups),
+        temp_bytes=tuple(g.temp_bytes for g in groups),
+    )
+
+
+def _stage_costs(config, schedule, per_task, groups, layer_params):
+    """The linear per-stage cost model `stage_balance` needs, read off this split's plan."""
+    from MaxText.planning.stage_balance import StageCosts
+
+    layers = list(config.stage_layers)
+    num_stages = len(layers)
+    group_of = tuple(schedule.stage_to_rank(s) for s in range(num_stages))
+    stage_time = [
+        sum(t for (_, stage), t in per_task.items() if stage == s and t > NO_WORK_S)
+        for s in range(num_stages)
+    ]
+    middle = range(1, num_stages - 1)
+    if middle:
+        per_layer = sum(stage_time[s] for s in middle) / sum(layers[s] for s in middle)
+    else:  # two stages: the embedding lookup is negligible next to the first stage's layers
+        per_layer = stage_time[0] / layers[0]
+    extra = tuple(max(0.0, stage_time[s] - layers[s] * per_layer) for s in range(num_stages))
+    layers_on = [0] * len(groups)
+    for s, g in enumerate(group_of):
+        layers_on[g] += layers[s]
+    # What a group holds at its peak besides activations and temporaries is state (parameters,
+    # optimizer state, gradient accumulators, and at an optimizer-time peak their updated
+    # copies); the decoder layers' share of it, by their share of the group's parameters,
+    # grows with the group's layers.
+    state_per_layer = [
+        (g.peak_bytes - g.activation_bytes - g.temp_bytes)
+        * (layer_params[i] / g.params_bytes if g.params_bytes else 0.0)
+        / layers_on[i]
+        for i, g in enumerate(groups)
+    ]
+    act_per_layer = tuple(groups[g].activation_bytes / layers_on[g] for g in group_of)
+    fixed = tuple(
+        g.peak_bytes - layers_on[i] * state_per_layer[i] - g.activation_bytes
+        for i, g in enumerate(groups)
+    )
+    state = tuple(state_per_layer[g] for g in group_of)
+    return StageCosts(per_layer, extra, state, act_per_layer, fixed, group_of)
+
+
+def plan_spmd(config, hardware: Hardware) -> Plan:
+    import jax
+    from jax.sharding import NamedSharding
+
+    from MaxText import sharding
+    from MaxText import train_step as ts
+    from MaxText.model import Decoder
+    from MaxText.optimizer import make_optimizer
+
+    mesh = sharding.make_mesh(config, jax.devices()[: config.num_devices])
+    model = Decoder(config)
+    optimizer, lr = make_optimizer(config)
+    abstract_state, specs = ts.state_specs(config, model, optimizer)
+    shardings = sharding.named_shardings(mesh, specs)
+    batch_sharding = NamedSharding(mesh, sharding.batch_spec())
+    step = ts.make_train_step(config, model, optimizer, lr, schedule=None)
+    state_in = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+    batch_in = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+        for k, v in ts._batch_shapes(config).items()
+    }
+    with jax.set_mesh(mesh), sharding.axis_rules():
+        exe = jax.jit(step, donate_argnums=(0,)).lower(state_in, batch_in).compile()
+        jaxpr = jax.make_jaxpr(step)(state_in, batch_in)
+
+    def per_device(tree):
+        return sum(
+            _prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+        )
+
+    params = per_device(state_in["params"])
+    opt = per_device({k: v for k, v in state_in.items() if k != "params"})
+    m = exe.memory_analysis()
+    temp = int(m.temp_size_in_bytes)
+    peak = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + temp)
+    # SPMD: gradients and activations live inside XLA's temporaries
+    groups = [GroupPlan(0, params, opt, 0, 0, temp, peak)]
+    step_time = hardware.task_seconds(*_cost(exe, hardware, jaxpr.jaxpr, config.num_devices))
+    return _finish(config, hardware, groups, None, step_time, 0.0)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _finish(config, hardware, groups, schedule, step_time, bubble) -> Plan:
+    from MaxText.planning.flops import training_flops_per_step
+
+    model_flops = training_flops_per_step(config).total
+    mfu = model_flops / (config.num_devices * step_time * hardware.peak_tflops * 1e12)
+    fits = all(g.peak_bytes <= hardware.memory_bytes for g in groups)
+    return Plan(
+        fits=fits,
+        hardware=hardware.name,
+        stage_layers=list(config.stage_layers) if config.is_pipelined else [],
+        schedule=config.pipeline_schedule if schedule is not None else "spmd",
+        num_microbatches=config.num_pipeline_microbatches,
+        groups=groups,
+        predicted={"step_time_s": step_time, "bubble": bubble, "mfu": mfu},
+        memory_bytes=hardware.memory_bytes,
+        stage_remat=tuple(config.stage_remat),
+        gradient_reduction=config.gradient_reduction,
+    )
+
+
+def byte_unit(nbytes: float) -> tuple[float, str]:
+    for scale, name in ((GB, "GB"), (1e6, "MB")):
+        if nbytes >= scale:
+            return scale, name
+    return 1e3, "KB"
+
+
+def format_bytes(nbytes: float) -> str:
+    scale, name = byte_unit(nbytes)
+    return f"{nbytes / scale:.3g} {name}"
