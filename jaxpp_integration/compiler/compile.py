@@ -27,6 +27,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpp_integration.compiler.blocks import ChainedExecutable
 from jaxpp_integration.compiler.program import Fill, Program, Run, TaskCode, Transfer
 from jaxpp_integration.frontend.treduce import microbatch
 from jaxpp_integration.jax_compat import (
@@ -119,6 +120,55 @@ def task_function(code: TaskCode, eqns):
     return loop
 
 
+def piece_function(code: TaskCode, piece, eqns):
+    """One piece of a cut loop task (`blocks.py`) as a function over (its inputs..., the
+    accumulators it updates..., microbatch index): it slices the microbatch inputs it reads and
+    updates its accumulators, as `task_function` does for a whole task."""
+    mb_vars = {code.invars[i] for i in code.mb_slices}
+    ops = [code.acc_ops[k][0] for k in piece.owned]
+    owned = [code.acc_ops[k][1] for k in piece.owned]
+    run = _eqns_fn(eqns, piece.invars, list(piece.outvars) + owned)
+    n_in, n_out = len(piece.invars), len(piece.outvars)
+    slices = {i for i, v in enumerate(piece.invars) if v in mb_vars}
+    axis = code.mb_axis
+
+    def loop(*args):
+        index = args[-1]
+        ins = [microbatch(x, index, axis) if i in slices else x for i, x in enumerate(args[:n_in])]
+        outs = run(*ins)
+        values, owned_vals = outs[:n_out], outs[n_out:]
+        accs = args[n_in:-1]
+        return list(values) + [op.update(a, v, index) for op, a, v in zip(ops, accs, owned_vals)]
+
+    return loop
+
+
+def _piece_specs(code: TaskCode, piece) -> tuple:
+    """The output specs of one piece, taken from its task's (`TaskCode.out_specs`)."""
+    if not code.out_specs:
+        return ()
+    where = {v: i for i, v in enumerate(code.outvars)}
+    specs = tuple(code.out_specs[where[v]] if v in where else None for v in piece.outvars)
+    specs += tuple(code.out_specs[len(code.outvars) + k] for k in piece.owned)
+    return specs if any(s is not None for s in specs) else ()
+
+
+def _piece_key(code: TaskCode, piece):
+    """Like `_key`, for one piece of a cut task: identical layer blocks of different stages
+    (and groups) are the same program."""
+    mb_vars = {code.invars[i] for i in code.mb_slices}
+    owned = [code.acc_ops[k][1] for k in piece.owned]
+    text = str(make_jaxpr_of(piece.eqns, piece.invars, list(piece.outvars) + owned))
+    return (
+        "piece",
+        text,
+        tuple(str(code.acc_ops[k][0]) for k in piece.owned),
+        tuple(i for i, v in enumerate(piece.invars) if v in mb_vars),
+        code.mb_axis,
+        _piece_specs(code, piece),
+    )
+
+
 def _key(code: TaskCode):
     """What makes two tasks the same program, whatever group they run on: the task's equations
     as traced against the lowering mesh (identical text for identical stages), its kind, its
@@ -139,8 +189,39 @@ def _layout_key(sharding, mesh: Mesh):
     """An input sharding relative to its group's sub-mesh: the spec and memory kind, plus the
     sub-mesh's axis names and shape. Equal for the same layout on any group of one MpmdMesh."""
     if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-        return (sharding.spec, sharding.memory_kind, mesh.axis_names, mesh.devices.shape)
+        size = dict(zip(mesh.axis_names, mesh.devices.shape))
+        spec = []
+        for entry in sharding.spec:  # axes of size 1 split nothing: P("fsdp") == P() there
+            names = entry if isinstance(entry, tuple) else (entry,)
+            kept = tuple(n for n in names if not isinstance(n, str) or size.get(n, 1) > 1)
+            spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        while spec and spec[-1] is None:
+            spec.pop()
+        kind = None if sharding.memory_kind == "device" else sharding.memory_kind
+        return (tuple(spec), kind, mesh.axis_names, mesh.devices.shape)
     return ("exact", sharding)  # another kind of sharding: only shared where it is identical
+
+
+def _plain(sharding, mesh: Mesh):
+    """A piece output's sharding as the sharding the engine gives a task input of that layout
+    (default memory kind left implicit), so a layer block reading it is keyed and lowered alike
+    whether its input came from an earlier piece or from another group."""
+    if (
+        isinstance(sharding, NamedSharding)
+        and sharding.mesh == mesh
+        and sharding.memory_kind in (None, "device")
+    ):
+        return NamedSharding(mesh, sharding.spec)
+    return sharding
+
+
+def _device_bytes(aval, sharding) -> int:
+    """Bytes one device holds of an array of `aval` laid out by `sharding`."""
+    shape = sharding.shard_shape(aval.shape) if hasattr(sharding, "shard_shape") else aval.shape
+    n = 1
+    for d in shape:
+        n *= d
+    return n * aval.dtype.itemsize
 
 
 def _sds(aval, sharding):
@@ -210,11 +291,13 @@ def compile_program(
             sh = slot_sharding[slot] = sh()
         return sh
 
-    def code_of(code):
+    def key_of(code, j=None):
         with lock:
-            if id(code) not in fn_cache:
-                fn_cache[id(code)] = _key(code)
-            return fn_cache[id(code)]
+            if (id(code), j) not in fn_cache:
+                fn_cache[(id(code), j)] = (
+                    _key(code) if j is None else _piece_key(code, code.pieces[j])
+                )
+            return fn_cache[(id(code), j)]
 
     def lower(code, ins, in_sh):
         eqns = rebind_meshes(code.eqns, src_meshes, mpmd_mesh.unstack[code.rank])
@@ -224,23 +307,33 @@ def compile_program(
             fn = _constrained(fn, code.out_specs, mpmd_mesh.unstack[code.rank])
         return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals)
 
-    def compile_one(code, ins, in_sh):
+    def lower_piece(code, j, avals, in_sh, donate):
+        group = mpmd_mesh.unstack[code.rank]
+        piece = code.pieces[j]
+        fn = piece_function(code, piece, rebind_meshes(piece.eqns, src_meshes, group))
+        specs = _piece_specs(code, piece)
+        if specs:
+            fn = _constrained(fn, specs, group)
+        args = [_sds(a, sh) for a, sh in zip(avals, in_sh)]
+        return jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*args)
+
+    def compile_one(name, lowering):
         t0 = time.perf_counter()
         with persistent_cache_reads() as reads:
-            exe = lower(code, ins, in_sh).compile()
+            exe = lowering().compile()
         with lock:
             stats.compiles += 1
-            stats.seconds[code.name] = time.perf_counter() - t0
+            stats.seconds[name] = time.perf_counter() - t0
             if reads.hits:  # not movable to other groups as it is: see `movable_source`
-                restored[id(exe)] = (code, ins, in_sh)
+                restored[id(exe)] = lowering
         return exe
 
     def movable_source(key, exe):
         """`exe`, or, when it was read from JAX's persistent compilation cache (XLA:CPU cannot
         serialize such an executable again), the same program compiled here once without it."""
         with lock:
-            how = restored.get(id(exe))
-            if how is None:
+            lowering = restored.get(id(exe))
+            if lowering is None:
                 return exe
             mine = fresh.get(key)
             if mine is None:
@@ -250,17 +343,14 @@ def compile_program(
                 todo = False
         if todo:
             with without_persistent_cache():  # lowered anew: a Lowered compiles once
-                mine.set_result(lower(*how).compile())
+                mine.set_result(lowering().compile())
             with lock:
                 stats.compiles += 1
         return mine.result()
 
-    def executable_for(ins):
-        code = ins.code
-        rank = code.rank
-        in_sh = tuple(resolve(s) for s in ins.ins)
-        group = mpmd_mesh.unstack[rank]
-        key = (code_of(code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
+    def program(key, rank, name, lowering):
+        """The executable of one distinct program on group `rank`: its own (another microbatch
+        made it), loaded from another group's compile, or compiled here."""
         with lock:
             mine = in_flight.get((key, rank))
             waiting = mine is not None  # this group has it already (another microbatch)
@@ -287,7 +377,7 @@ def compile_program(
                         stats.loads += 1
                     break
             if exe is None:  # the first group to run it, or JAX cannot move it here
-                exe = compile_one(code, ins, in_sh)
+                exe = compile_one(name, lowering)
                 if sources:
                     with lock:
                         programs[key].append(mine)
@@ -296,6 +386,59 @@ def compile_program(
             raise
         fut.set_result(exe)
         return exe
+
+    def chained(ins, in_sh):
+        """A task cut at its layer scans: each piece is a program of its own (shared by every
+        stage and group where it is identical), chained into one executable for the task."""
+        code = ins.code
+        group = mpmd_mesh.unstack[code.rank]
+        n_args, n_in = len(ins.ins), len(code.invars)
+        env_sh = list(in_sh)
+        env_aval = [prog.slot_aval[s] for s in ins.ins]
+        where = {v: i for i, v in enumerate(code.invars)}
+        acc_at = {k: n_in + k for k in range(len(code.acc_ops))}
+        steps = []
+        for j, piece in enumerate(code.pieces):
+            args = [where[v] for v in piece.invars] + [acc_at[k] for k in piece.owned]
+            args.append(n_args - 1)  # the microbatch index
+            donate = tuple(a for a, p in enumerate(args) if p < n_args and p in ins.donate)
+            p_sh = tuple(env_sh[p] for p in args)
+            p_aval = [env_aval[p] for p in args]
+            key = (key_of(code, j), tuple(_layout_key(sh, group) for sh in p_sh), donate)
+            exe = program(
+                key,
+                code.rank,
+                f"{code.name}.{piece.role}",
+                lambda j=j, a=p_aval, sh=p_sh, d=donate: lower_piece(code, j, a, sh, d),
+            )
+            out_sh = [_plain(sh, group) for sh in exe.output_shardings]
+            for v, sh in zip(piece.outvars, out_sh):
+                where[v] = len(env_sh)
+                env_sh.append(sh)
+                env_aval.append(v.aval)
+            for k, sh in zip(piece.owned, out_sh[len(piece.outvars) :]):
+                env_aval.append(env_aval[acc_at[k]])
+                acc_at[k] = len(env_sh)
+                env_sh.append(sh)
+            steps.append((exe, args))
+        results = [where[v] for v in code.outvars] + [acc_at[k] for k in range(len(code.acc_ops))]
+        return ChainedExecutable(
+            steps,
+            results,
+            n_args,
+            in_sh,
+            [env_sh[p] for p in results],
+            [_device_bytes(a, sh) for a, sh in zip(env_aval, env_sh)],
+        )
+
+    def executable_for(ins):
+        code = ins.code
+        in_sh = tuple(resolve(s) for s in ins.ins)
+        if code.pieces:
+            return chained(ins, in_sh)
+        group = mpmd_mesh.unstack[code.rank]
+        key = (key_of(code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
+        return program(key, code.rank, code.name, lambda: lower(code, ins, in_sh))
 
     jobs = {}
     try:

@@ -24,6 +24,7 @@ import dataclasses
 import numpy as np
 from jax.extend.core import Literal, Var
 
+from jaxpp_integration.compiler.blocks import Piece, cut_task
 from jaxpp_integration.frontend.marker import check_markers_top_level, is_marker
 from jaxpp_integration.jax_compat import source_line
 from jaxpp_integration.schedules import Phase
@@ -39,6 +40,7 @@ class LoopTask:
     invars: list = dataclasses.field(default_factory=list)  # vars read from outside
     outvars: list = dataclasses.field(default_factory=list)  # vars other tasks need
     owned_outputs: list = dataclasses.field(default_factory=list)  # body output indices
+    pieces: list[Piece] = dataclasses.field(default_factory=list)  # [] = one program (blocks.py)
 
     @property
     def name(self) -> str:
@@ -115,6 +117,7 @@ def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -
         clusters = _split_backward(clusters, outvars)
         producer = {o: key for key, eqns in clusters.items() for e in eqns for o in e.outvars}
 
+    _recompute_constants(clusters)
     tasks = {key: LoopTask(key[0], key[1], eqns) for key, eqns in clusters.items()}
     last_fwd = (num_stages - 1, Phase.FWD)
     owner = []
@@ -143,7 +146,50 @@ def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -
             needed_by.setdefault(v, []).append(key)
     for task in tasks.values():
         task.outvars = [o for e in task.eqns for o in e.outvars if o in needed_by]
+    loop_constants = set(const_vars)
+    for (_, phase), task in tasks.items():
+        owned = [outvars[j] for j in task.owned_outputs]
+        task.pieces = cut_task(task.eqns, task.outvars, owned, phase, loop_constants)
     return PartitionedBody(tasks, const_vars, mb_vars, outvars, owner)
+
+
+def _recompute_constants(clusters) -> None:
+    """Program constants (values computed from nothing: an `iota`, a broadcast literal, the
+    positions, rotary tables and causal mask made from them) are computed by every task that
+    reads them, in front of its own equations, instead of being sent from the task that made
+    them for every microbatch (XLA folds them into the reading program, as `jax.jit` does)."""
+    made_by = {o: e for eqns in clusters.values() for e in eqns for o in e.outvars}
+    constant: dict = {}
+
+    def is_constant(e) -> bool:
+        if id(e) not in constant:
+            constant[id(e)] = False  # (cycles cannot occur in a jaxpr; this ends recursion)
+            constant[id(e)] = (
+                bool(e.outvars)
+                and not e.effects
+                and all(
+                    not isinstance(v, Var) or (v in made_by and is_constant(made_by[v]))
+                    for v in e.invars
+                )
+            )
+        return constant[id(e)]
+
+    for key, eqns in clusters.items():
+        local = {o for e in eqns for o in e.outvars}
+        chain: list = []
+        added: set = set()
+        for e in eqns:
+            for v in e.invars:
+                if isinstance(v, Var) and v not in local and v in made_by:
+                    if is_constant(made_by[v]):
+                        behind = _constant_closure(v, made_by)
+                        if not any(
+                            isinstance(u, Var) and u in local for c in behind for u in c.invars
+                        ):
+                            chain += [c for c in behind if id(c) not in added]
+                            added.update(id(c) for c in behind)
+        if chain:
+            clusters[key] = chain + eqns
 
 
 def _move_loss_gradient_to_last_backward(clusters, num_stages: int, outvars) -> None:
@@ -275,3 +321,19 @@ def _split_backward(clusters, outvars):
 
 def is_literal(v) -> bool:
     return isinstance(v, Literal)
+
+
+def _constant_closure(v, made_by) -> list:
+    """The equations computing constant `v`, inputs first."""
+    out, seen, todo = [], set(), [(made_by[v], False)]
+    while todo:
+        e, expanded = todo.pop()
+        if expanded:
+            out.append(e)
+            continue
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        todo.append((e, True))
+        todo.extend((made_by[u], False) for u in e.invars if isinstance(u, Var) and u in made_by)
+    return out

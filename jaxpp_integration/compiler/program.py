@@ -45,6 +45,7 @@ class TaskCode:
     acc_inits: tuple = ()  # before tasks: (op, n, aval) per accumulator to create
     mb_axis: int = 0
     out_specs: tuple = ()  # per output: a PartitionSpec the result is constrained to, or None
+    pieces: tuple = ()  # loop tasks cut at their layer scans: the programs it runs (blocks.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +323,7 @@ class _Builder:
                 acc_ops=tuple((self.ops[j], self.body.outvars[j]) for j in task.owned_outputs),
                 mb_axis=self.axis,
                 out_specs=specs if any(specs) else (),
+                pieces=tuple(task.pieces),
             )
         ins = []
         for v in task.invars:

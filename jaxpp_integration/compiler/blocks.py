@@ -1,0 +1,282 @@
+"""Pass: cut each loop task at its layer scans, so every stage's layer block is one program.
+
+A scanned model runs each stage's layers as one `scan` over weights stacked along a leading
+layer axis. Left whole, the first stage's forward also holds the embedding and the last stage's
+the final norm, head and loss, so three different programs (first, middle, last stage) each
+carry their own copy of the scan body, and so do the backward tasks: XLA compiles the body six
+times, whatever the depth. Here a loop task is cut into *pieces*, compiled as programs of their
+own and run back to back as the one schedule task they make up (`ChainedExecutable`):
+
+- a **layer block**: a top-level `scan` over a loop constant (stacked weights; a scan over
+  computed values, such as chunked attention inside an unrolled layer, is not one), with the
+  program constants it reads (values computed from nothing, such as rotary tables and causal
+  masks, recomputed where they are read) and the sharding constraints that close a stage's
+  layers: the constraint on the scan's result in a forward task, its transpose on the scan's
+  incoming cotangent in a backward task;
+- the **glue** before, between and after the blocks (the first stage's embedding, the last
+  stage's norm, head and loss and their gradients), one piece per gap, left out when empty.
+
+Stages with the same layer count and remat policy thus have identical block pieces, compiled once
+for the forward and once for the backward and loaded onto every group (`compile.py` keys programs
+by their equations, never by stage or device). A task without a layer scan stays one program.
+
+Guarantees: the pieces run in order compute exactly the task's equations (a piece reads only
+task inputs and earlier pieces' outputs); every accumulator the task updates is updated by
+exactly one piece (the one producing its value, else the last); the schedule, the simulator and
+the memory accounting keep seeing one task (`Run`): values passed between pieces live only
+while the task runs, like a program's temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.extend.core import Var
+
+from jaxpp_integration.schedules import Phase
+
+_CONSTRAINT = "sharding_constraint"
+
+
+@dataclasses.dataclass
+class Piece:
+    """One program of a cut task: its equations and what it reads and hands on."""
+
+    role: str  # "layers", or "pre" / "mid" / "post" for glue before / between / after blocks
+    eqns: list
+    invars: list = dataclasses.field(default_factory=list)  # task inputs or earlier outputs
+    outvars: list = dataclasses.field(default_factory=list)  # read by later pieces or outside
+    owned: list = dataclasses.field(default_factory=list)  # positions in the task's accumulators
+
+
+def is_layer_scan(eqn, loop_constants) -> bool:
+    """A top-level `scan` that scans over a loop constant (weights stacked per layer)."""
+    if eqn.primitive.name != "scan":
+        return False
+    xs = eqn.invars[eqn.params["num_consts"] + eqn.params["num_carry"] :]
+    return any(isinstance(v, Var) and v in loop_constants for v in xs)
+
+
+def constant_eqns(eqns) -> set:
+    """Ids of the equations computed from nothing (no effects, every input a literal or the
+    result of such an equation): program constants, recomputed wherever they are read."""
+    made, out = set(), set()
+    for e in eqns:
+        if not e.effects and all(not isinstance(v, Var) or v in made for v in e.invars):
+            out.add(id(e))
+            made.update(e.outvars)
+    return out
+
+
+def cut_task(eqns, outvars, owned_vars, phase: Phase, loop_constants) -> list[Piece]:
+    """The pieces of one loop task, or [] when it has no layer scan (one program, as it is).
+
+    `outvars`: the task's values other tasks read; `owned_vars`: the body outputs it accumulates
+    (Var or Literal, in accumulator order); `loop_constants`: the body's constant invars."""
+    scans = {id(e) for e in eqns if is_layer_scan(e, loop_constants)}
+    if not scans:
+        return []
+    consts = constant_eqns(eqns)
+    segments: list[Piece] = []
+    glue: list = []
+    for e in eqns:
+        if id(e) in consts:
+            continue
+        if id(e) in scans:
+            segments += [Piece("glue", glue), Piece("layers", [e])]
+            glue = []
+        else:
+            glue.append(e)
+    segments.append(Piece("glue", glue))
+    needed_outside = {v for v in [*outvars, *owned_vars] if isinstance(v, Var)}
+    for k, seg in enumerate(segments):
+        if seg.role != "layers":
+            continue
+        if phase is Phase.FWD:
+            _absorb_constraints_after(seg, segments[k + 1])
+        else:
+            _absorb_constraints_before(seg, segments[k - 1], segments, needed_outside)
+    _add_constants(segments, eqns, consts, needed_outside)
+    pieces = [p for p in segments if p.eqns]  # a single piece too: keyed like other blocks
+    first = next(i for i, p in enumerate(pieces) if p.role == "layers")
+    last = max(i for i, p in enumerate(pieces) if p.role == "layers")
+    for i, p in enumerate(pieces):
+        if p.role == "glue":
+            p.role = "pre" if i < first else "post" if i > last else "mid"
+    _wire(pieces, outvars, owned_vars)
+    return pieces
+
+
+def _absorb_constraints_after(block: Piece, after: Piece) -> None:
+    """Forward: constraints on the scan's results (a stage's closing constraint) join the block."""
+    made = {o for e in block.eqns for o in e.outvars}
+    for e in list(after.eqns):
+        if e.primitive.name == _CONSTRAINT and all(
+            not isinstance(v, Var) or v in made for v in e.invars
+        ):
+            after.eqns.remove(e)
+            block.eqns.append(e)
+            made.update(e.outvars)
+
+
+def _absorb_constraints_before(block: Piece, before: Piece, segments, needed_outside) -> None:
+    """Backward: constraints whose results only the block reads (the transpose of the forward's
+    closing constraint, on the incoming cotangent) join the block."""
+    for e in reversed(list(before.eqns)):
+        if e.primitive.name != _CONSTRAINT:
+            continue
+        outs = set(e.outvars)
+        if outs & needed_outside:
+            continue
+        readers = [
+            other
+            for seg in segments
+            if seg is not block
+            for other in seg.eqns
+            if any(isinstance(v, Var) and v in outs for v in other.invars)
+        ]
+        if readers:
+            continue
+        before.eqns.remove(e)
+        block.eqns.insert(0, e)
+
+
+def _add_constants(segments, eqns, consts, needed_outside) -> None:
+    """Gives every piece the program constants it reads (in program order); constants the task
+    hands on that no piece computes go to the last non-empty piece."""
+    made_by = {o: e for e in eqns if id(e) in consts for o in e.outvars}
+
+    def closure(wanted):
+        need = {v for v in wanted if v in made_by}
+        keep = []
+        for e in reversed(eqns):
+            if id(e) in consts and any(o in need for o in e.outvars):
+                keep.append(e)
+                need.update(v for v in e.invars if isinstance(v, Var))
+        return keep[::-1]
+
+    for seg in segments:
+        reads = {v for e in seg.eqns for v in e.invars if isinstance(v, Var)}
+        seg.eqns[:0] = closure(reads)
+    computed = {o for seg in segments for e in seg.eqns for o in e.outvars}
+    missing = [v for v in needed_outside if v in made_by and v not in computed]
+    if missing:
+        last = next(seg for seg in reversed(segments) if seg.eqns)
+        have = {id(e) for e in last.eqns}
+        last.eqns[:0] = [e for e in closure(missing) if id(e) not in have]
+
+
+def _wire(pieces: list[Piece], outvars, owned_vars) -> None:
+    """Sets each piece's inputs, outputs and accumulators (see `Piece`)."""
+    made_in = [{o for e in p.eqns for o in e.outvars} for p in pieces]
+    for k, v in enumerate(owned_vars):  # the last piece producing it, else the last piece
+        home = next(
+            (i for i in range(len(pieces) - 1, -1, -1) if isinstance(v, Var) and v in made_in[i]),
+            len(pieces) - 1,
+        )
+        pieces[home].owned.append(k)
+    handed = {v for v in outvars if isinstance(v, Var)}
+    for i, p in enumerate(pieces):
+        reads = []
+        wanted = [v for e in p.eqns for v in e.invars] + [owned_vars[k] for k in p.owned]
+        for v in wanted:
+            if isinstance(v, Var) and v not in made_in[i] and v not in reads:
+                reads.append(v)
+        p.invars = reads
+    for i, p in enumerate(pieces):
+        later = {v for q in pieces[i + 1 :] for v in q.invars}
+        p.outvars = []
+        for e in p.eqns:
+            for o in e.outvars:
+                if (
+                    (o in later or o in handed)
+                    and o not in p.outvars
+                    and not _made_later(o, made_in, i)
+                ):
+                    p.outvars.append(o)
+
+
+def _made_later(v, made_in, i) -> bool:
+    """A program constant recomputed by a later piece: that piece hands it on, not this one."""
+    return any(v in m for m in made_in[i + 1 :])
+
+
+class ChainedExecutable:
+    """A cut task's compiled pieces run back to back as one callable task program.
+
+    `steps`: per piece (its executable, positions of its arguments among the task's arguments
+    and the outputs of earlier pieces); `results`: the positions of the task's outputs;
+    `nbytes`: bytes per device of the value at each position. A value passed between pieces is
+    dropped after its last reader, so it lives no longer than a temporary of one program would.
+    Reports (`as_text`, `cost_analysis`, `memory_analysis`) are those of the pieces together, so
+    tools reading one executable per task keep working."""
+
+    def __init__(self, steps, results, n_args: int, input_shardings, output_shardings, nbytes):
+        self.steps = steps
+        self.results = list(results)
+        self.n_args = n_args
+        self.input_shardings = (tuple(input_shardings), {})
+        self.output_shardings = list(output_shardings)
+        self.nbytes = list(nbytes)
+        last_use = {p: k for k, (_, args) in enumerate(steps) for p in args}
+        keep = set(self.results)
+        self._drop = [
+            [p for p, k2 in last_use.items() if k2 == k and p not in keep and p >= n_args]
+            for k in range(len(steps))
+        ]
+
+    @property
+    def executables(self) -> list:
+        return [exe for exe, _ in self.steps]
+
+    def __call__(self, *args):
+        env = list(args)
+        for (exe, positions), drop in zip(self.steps, self._drop):
+            env.extend(exe(*[env[p] for p in positions]))
+            for p in drop:
+                env[p] = None
+        return [env[p] for p in self.results]
+
+    def as_text(self) -> str:
+        return "\n".join(exe.as_text() for exe in self.executables)
+
+    def cost_analysis(self) -> dict:
+        total: dict = {}
+        for exe in self.executables:
+            ca = exe.cost_analysis()
+            for k, v in (ca[0] if isinstance(ca, list) else ca or {}).items():
+                if isinstance(v, (int, float)):
+                    total[k] = total.get(k, 0.0) + v
+        return total
+
+    def memory_analysis(self) -> ChainedMemory:
+        """The task's arguments and outputs; as temporary space, the largest over the pieces of
+        a piece's own temporaries plus the values passed between pieces alive while it runs."""
+        analyses = [exe.memory_analysis() for exe in self.executables]
+        read = {p for _, args in self.steps for p in args if p < self.n_args}
+        temp, alive, made = 0, set(), self.n_args
+        for (exe, _), m, drop in zip(self.steps, analyses, self._drop):
+            outs = range(made, made + len(exe.output_shardings))
+            made += len(outs)
+            alive.update(p for p in outs if p not in self.results)
+            passing = sum(self.nbytes[p] for p in alive)
+            temp = max(temp, int(m.temp_size_in_bytes) + passing)
+            alive.difference_update(drop)
+        return ChainedMemory(
+            argument_size_in_bytes=sum(self.nbytes[p] for p in read),
+            output_size_in_bytes=sum(self.nbytes[p] for p in self.results),
+            alias_size_in_bytes=sum(int(m.alias_size_in_bytes) for m in analyses),
+            temp_size_in_bytes=temp,
+            generated_code_size_in_bytes=sum(int(m.generated_code_size_in_bytes) for m in analyses),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainedMemory:
+    """`memory_analysis()` of a `ChainedExecutable`, with XLA's field names (bytes per device)."""
+
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+    generated_code_size_in_bytes: int
