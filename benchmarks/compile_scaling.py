@@ -46,7 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LAYERS = (4, 16, 32, 64)
-COMMON = ("num_pipeline_microbatches=8", "global_batch_size=16", "steps=2", "dataset_type=synthetic")
+COMMON = (
+    "num_pipeline_microbatches=8",
+    "global_batch_size=16",
+    "steps=2",
+    "dataset_type=synthetic",
+)
 VARIANTS = {
     "spmd_unrolled": ("scan_layers=false",),
     "spmd_scanned": ("scan_layers=true",),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -92,11 +93,13 @@ def copy_shards(arrays: list, shardings: list) -> list:
     return copy(list(arrays), devices, list(shardings), [reuse] * len(arrays))
 
 
-def load_compiled_on(compiled, src_devices, dst_devices):
+def load_compiled_on(compiled, src_devices, dst_devices, serialized: bytes | None = None):
     """`compiled` (a `jax.stages.Compiled` for `src_devices`) loaded onto `dst_devices` without
     compiling again: device `src_devices[i]` becomes `dst_devices[i]`, in the executable's device
     assignment and in every input/output sharding. The XLA executable is serialized and
-    deserialized with the new device list (what JAX's own cross-host executable sharing does).
+    deserialized with the new device list (what JAX's own cross-host executable sharing does);
+    `serialized`: its bytes when already at hand (as read from the persistent compilation cache:
+    XLA:CPU cannot serialize a deserialized executable again).
     Returns None where this JAX version or this executable does not allow it (host callbacks,
     closed-over constants, shardings of an unknown kind, devices of another process): the caller
     then compiles."""
@@ -158,8 +161,10 @@ def load_compiled_on(compiled, src_devices, dst_devices):
     options.device_assignment = xc.DeviceAssignment.create(
         np.array([[d.id for d in device_list]], dtype=int)
     )
+    if serialized is None:
+        serialized = backend.serialize_executable(unloaded.xla_executable)
     xla_exe = backend.deserialize_executable(
-        backend.serialize_executable(unloaded.xla_executable),
+        serialized,
         executable_devices=device_list,
         compile_options=options,
     )
@@ -192,17 +197,46 @@ def reset_compilation_cache() -> None:
     compilation_cache.reset_cache()
 
 
+_READS = threading.local()  # the `persistent_cache_reads` record of this thread, if any
+_READS_HOOKED = []
+
+
+def _hook_cache_reads() -> None:
+    """Wraps JAX's unpacking of a persistent-cache entry (once per process) so that the
+    executable bytes it reads are handed to the active `persistent_cache_reads` record."""
+    if _READS_HOOKED:
+        return
+    try:
+        from jax._src import compilation_cache
+    except ImportError:  # pragma: no cover - another JAX version: no bytes, see the caller
+        _READS_HOOKED.append(None)
+        return
+    unpack = compilation_cache.extract_executable_and_time
+
+    def recorded(executable_and_time):
+        serialized, compile_time = unpack(executable_and_time)
+        record = getattr(_READS, "record", None)
+        if record is not None:
+            record.serialized.append(serialized)
+        return serialized, compile_time
+
+    compilation_cache.extract_executable_and_time = recorded
+    _READS_HOOKED.append(unpack)
+
+
 @contextlib.contextmanager
 def persistent_cache_reads():
     """Counts, in `.hits` of the yielded object, the programs this thread read from JAX's
-    persistent compilation cache while the block ran (XLA:CPU cannot serialize an executable it
-    deserialized again: `load_compiled_on` needs one compiled here)."""
-    import threading
-
+    persistent compilation cache while the block ran, and keeps in `.serialized` the executable
+    bytes read: XLA:CPU cannot serialize an executable it deserialized, so `load_compiled_on`
+    moves such a program onto other devices from these bytes."""
     import jax
 
     class Reads:
         hits = 0
+
+        def __init__(self):
+            self.serialized = []
 
     reads, me = Reads(), threading.get_ident()
 
@@ -210,11 +244,15 @@ def persistent_cache_reads():
         if event == "/jax/compilation_cache/cache_hits" and threading.get_ident() == me:
             reads.hits += 1
 
+    _hook_cache_reads()
+    outer = getattr(_READS, "record", None)
+    _READS.record = reads
     jax.monitoring.register_event_listener(listener)
     try:
         yield reads
     finally:
         jax.monitoring.unregister_event_listener(listener)
+        _READS.record = outer
 
 
 @contextlib.contextmanager

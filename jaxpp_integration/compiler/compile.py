@@ -143,6 +143,14 @@ def piece_function(code: TaskCode, piece, eqns):
     return loop
 
 
+def piece_name(code: TaskCode, piece) -> str:
+    """A piece's program name: `fwd_layers`, `bwd_layers`, ... for a layer block (one program
+    for every stage that has it), `<task>_<role>` for glue (`fwd_0_pre`, `fwd_3_post`)."""
+    if piece.role == "layers":
+        return f"{code.phase.value}_layers"
+    return f"{code.name}_{piece.role}"
+
+
 def _piece_specs(code: TaskCode, piece) -> tuple:
     """The output specs of one piece, taken from its task's (`TaskCode.out_specs`)."""
     if not code.out_specs:
@@ -232,16 +240,19 @@ def _sds(aval, sharding):
 
 @dataclasses.dataclass
 class CompileStats:
-    """How `compile_program` obtained the executables of one program.
+    """How `compile_program` obtained its executables, one per distinct program and group.
 
-    `compiles`: XLA compilations run (one per distinct program); `loads`: executables loaded
-    onto another group's devices from a compilation made for a group of the same shape;
-    `cache_hits`: task instances reusing an executable of their own group (other microbatches);
-    `seconds`: wall time per compiled program name."""
+    `compiles`: XLA compilations run (`compiled`: their program names, in order);
+    `persistent_hits`: programs read from JAX's persistent compilation cache (`jax_cache_dir`)
+    instead; `loads`: executables loaded onto another group's devices from a program compiled
+    (or read) for a group of the same shape; `cache_hits`: programs reused by another instance
+    on their own group (other microbatches); `seconds`: wall time per compiled program name."""
 
     compiles: int = 0
+    persistent_hits: int = 0
     loads: int = 0
     cache_hits: int = 0
+    compiled: list = dataclasses.field(default_factory=list)
     seconds: dict = dataclasses.field(default_factory=dict)
 
 
@@ -305,6 +316,7 @@ def compile_program(
         fn = task_function(code, eqns)
         if code.out_specs:
             fn = _constrained(fn, code.out_specs, mpmd_mesh.unstack[code.rank])
+        fn = _named(fn, code.name)  # XLA's module name; JAX's compile events and logs say it
         return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals)
 
     def lower_piece(code, j, avals, in_sh, donate):
@@ -315,6 +327,7 @@ def compile_program(
         if specs:
             fn = _constrained(fn, specs, group)
         args = [_sds(a, sh) for a, sh in zip(avals, in_sh)]
+        fn = _named(fn, piece_name(code, piece))
         return jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*args)
 
     def compile_one(name, lowering):
@@ -322,19 +335,26 @@ def compile_program(
         with persistent_cache_reads() as reads:
             exe = lowering().compile()
         with lock:
-            stats.compiles += 1
+            if reads.hits:  # read from jax_cache_dir, not compiled: see `movable_source`
+                stats.persistent_hits += 1
+                restored[id(exe)] = (lowering, reads.serialized[-1] if reads.serialized else None)
+            else:
+                stats.compiles += 1
+                stats.compiled.append(name)
             stats.seconds[name] = time.perf_counter() - t0
-            if reads.hits:  # not movable to other groups as it is: see `movable_source`
-                restored[id(exe)] = lowering
         return exe
 
     def movable_source(key, exe):
-        """`exe`, or, when it was read from JAX's persistent compilation cache (XLA:CPU cannot
-        serialize such an executable again), the same program compiled here once without it."""
+        """(`exe`, its serialized bytes if at hand). An executable read from JAX's persistent
+        compilation cache is moved from the bytes read (XLA:CPU cannot serialize it again); if
+        those are unknown, the program is compiled here once more, without the cache."""
         with lock:
-            lowering = restored.get(id(exe))
-            if lowering is None:
-                return exe
+            how = restored.get(id(exe))
+            if how is None:
+                return exe, None
+            lowering, serialized = how
+            if serialized is not None:
+                return exe, serialized
             mine = fresh.get(key)
             if mine is None:
                 mine = fresh[key] = Future()
@@ -346,7 +366,8 @@ def compile_program(
                 mine.set_result(lowering().compile())
             with lock:
                 stats.compiles += 1
-        return mine.result()
+                stats.compiled.append("(again, uncached)")
+        return mine.result(), None
 
     def program(key, rank, name, lowering):
         """The executable of one distinct program on group `rank`: its own (another microbatch
@@ -367,10 +388,9 @@ def compile_program(
         try:
             exe = None
             for src_rank, src_fut in sources:  # load a compile made for another group
+                source, serialized = movable_source(key, src_fut.result())
                 exe = load_compiled_on(
-                    movable_source(key, src_fut.result()),
-                    mpmd_mesh.devices_of(src_rank),
-                    mpmd_mesh.devices_of(rank),
+                    source, mpmd_mesh.devices_of(src_rank), mpmd_mesh.devices_of(rank), serialized
                 )
                 if exe is not None:
                     with lock:
@@ -408,7 +428,7 @@ def compile_program(
             exe = program(
                 key,
                 code.rank,
-                f"{code.name}.{piece.role}",
+                piece_name(code, piece),
                 lambda j=j, a=p_aval, sh=p_sh, d=donate: lower_piece(code, j, a, sh, d),
             )
             out_sh = [_plain(sh, group) for sh in exe.output_shardings]
@@ -472,6 +492,16 @@ def compile_program(
 
 def literal_value(v):
     return v.val if isinstance(v, Literal) else None
+
+
+def _named(fn, name: str):
+    """`fn` under the function name `name` (what `jax.jit` names the program after)."""
+
+    def program(*args):
+        return fn(*args)
+
+    program.__name__ = program.__qualname__ = name
+    return program
 
 
 def _constrained(fn, specs, mesh: Mesh):

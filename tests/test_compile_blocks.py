@@ -1,0 +1,183 @@
+"""The layer block of every stage is one program: a scanned pipeline compiles the scan body once
+for the forward and once for the backward, whatever the number of stages and layers
+(`jaxpp_integration/compiler/blocks.py`).
+
+Compiles are counted with JAX's own events (`jax.monitoring`: the backend-compile event, which
+names the program), with the persistent compilation cache off, so every event is a real XLA
+compile. Which compiled modules hold a layer scan is read off the modules themselves (a
+`stablehlo.while` in the lowered text), not off the engine's names. The trainer's default keys
+(scanned layers, `gradient_reduction=step`, AdamW with clipping, 1F1B) at tiny widths. Results:
+`jax.jit` of the very same step, bitwise (the scanned pipeline's exactness contract,
+tests/test_scanned_pipeline.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import jax
+import numpy as np
+import pytest
+from compare import assert_bitwise, assert_on_group
+from small_model import SMALL_MODEL
+
+from MaxText import sharding
+from MaxText.cluster import devices
+from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.model import Decoder
+from MaxText.optimizer import make_optimizer
+from MaxText.train_step import (
+    _batch_shapes,
+    build_trainer,
+    make_train_step,
+    pipelined_train_step,
+    state_specs,
+)
+
+pytestmark = pytest.mark.usefixtures("no_compilation_cache")
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def real_compiles():
+    """Yields the list of compiled programs: (name, whether its module holds a loop)."""
+    seen: list = []
+    names: list = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE:  # fun_name "jit(<program>)"
+            names.append(re.sub(r"^jit\((.*)\)$", r"\1", kwargs.get("fun_name", "?")))
+
+    def spy(self, *args, **kwargs):
+        before = len(names)
+        out = compile_lowered(self, *args, **kwargs)
+        has_loop = "stablehlo.while" in self.as_text()
+        seen.extend((name, has_loop) for name in names[before:])
+        return out
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.stages.Lowered.compile = spy
+    try:
+        yield seen
+    finally:
+        jax.stages.Lowered.compile = compile_lowered
+        jax.monitoring.unregister_event_duration_listener(listener)
+        assert len(seen) == len(names), "an XLA compile outside Lowered.compile"
+
+
+def config_of(stages: int, layers: int, *extra):
+    return load_config(
+        [
+            str(CONFIGS_DIR / "base.yml"),
+            *SMALL_MODEL,
+            "scan_layers=true",  # the default (SMALL_MODEL unrolls for other tests)
+            f"pipeline_parallelism={stages}",
+            f"num_decoder_layers={layers}",
+            "num_pipeline_microbatches=8",
+            "warmup_steps_fraction=0",
+            "base_output_directory=/unused",
+            *extra,
+        ]
+    )
+
+
+def compile_step(config):
+    """The trainer's pipelined step compiled on abstract inputs (as the planner does)."""
+    mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
+    model = Decoder(config)
+    optimizer, lr = make_optimizer(config)
+    abstract, specs = state_specs(config, model, optimizer)
+    fn = pipelined_train_step(config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh))
+    jax.clear_caches()
+    with real_compiles() as seen, sharding.axis_rules():
+        compiled = fn.compile(abstract, _batch_shapes(config))
+    return compiled, seen
+
+
+def expected_programs(stages: int) -> list[str]:
+    """The distinct programs of a uniform scanned pipeline, hand-counted (first/middle/last stage
+    and the rank-to-rank structure of the optimizer), and the same for any number of stages:
+    the batch split before the loop on the first and last group (tokens; targets and mask);
+    forward: the first stage's embedding, the layer block, the last stage's norm, head and
+    loss; backward: the loss and head gradients, the layer block, the embedding gradient; after
+    the loop, per group kind (first, middle, last): the squared gradient norms, then the
+    clipped AdamW update."""
+    last = stages - 1
+    return sorted(
+        [
+            "before_loop_0",
+            f"before_loop_{last}",
+            "fwd_0_pre",
+            "fwd_layers",
+            f"fwd_{last}_post",
+            f"bwd_{last}_pre",
+            "bwd_layers",
+            "bwd_0_post",
+            *(f"after_loop_{r}_{k}" for r in (0, 1, last) for k in (0, 1)),
+        ]
+    )
+
+
+@pytest.mark.parametrize("stages, layers", [(4, 8), (8, 8), (4, 32)])
+def test_layer_block_compiles_once_for_forward_and_once_for_backward(stages, layers):
+    """4 or 8 stages of 2 or 8 layers: exactly two compiled modules hold a layer scan (the
+    block's forward and backward), and the compiles are the same 14 distinct programs in every
+    configuration; every other group's copy of a shared program is loaded, not compiled."""
+    config = config_of(stages, layers)
+    assert config.stage_layers == (layers // stages,) * stages
+    compiled, seen = compile_step(config)
+    loops = sorted(name for name, has_loop in seen if has_loop)
+    assert loops == ["bwd_layers", "fwd_layers"], seen
+    assert sorted(name for name, _ in seen) == expected_programs(stages)
+    stats = compiled.compile_stats
+    assert stats.compiles == len(seen) == 14 and stats.persistent_hits == 0
+    assert sorted(stats.compiled) == expected_programs(stages)
+    # each layer block is loaded onto the other stages' groups
+    assert stats.loads >= 2 * (stages - 1)
+
+
+def test_uneven_stages_compile_once_per_layer_count():
+    """7 layers on 4 stages (2, 2, 2, 1): one block per distinct layer count and phase."""
+    config = config_of(4, 7)
+    assert sorted(set(config.stage_layers)) == [1, 2]
+    _, seen = compile_step(config)
+    assert sorted(name for name, has_loop in seen if has_loop) == [
+        "bwd_layers",
+        "bwd_layers",
+        "fwd_layers",
+        "fwd_layers",
+    ]
+
+
+def test_four_stages_step_is_bitwise_and_each_stack_on_its_group(tmp_path):
+    """The trainer at 4 stages x 2 layers: two steps bitwise equal to `jax.jit` of the same step
+    function (parameters, both Adam moments, metrics), each stage's stacked weights and
+    moments on its own group only."""
+    config = config_of(4, 8, f"base_output_directory={tmp_path}")
+    trainer = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
+    reference = jax.jit(
+        make_train_step(config, trainer.model, trainer.optimizer, trainer.lr_schedule)
+    )
+    state = trainer.init_state()
+    want = jax.tree.map(np.asarray, state)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        b, length = config.global_batch_size, config.max_target_length
+        x = rng.integers(0, config.vocab_size, (b, length + 1)).astype(np.int32)
+        mask = (rng.random((b, length)) > 0.2).astype(np.float32)
+        batch = {"inputs": x[:, :-1], "targets": x[:, 1:], "targets_mask": mask}
+        state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+        want, want_metrics = reference(want, batch)
+        assert_bitwise(jax.tree.map(np.asarray, want_metrics), jax.tree.map(np.asarray, metrics))
+        assert_bitwise(jax.tree.map(np.asarray, want), jax.tree.map(np.asarray, state))
+    stacks = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        found = re.search(r"'layers_stage_(\d)'", jax.tree_util.keystr(path))
+        if found:
+            assert_on_group(leaf, trainer.mpmd_mesh, (int(found.group(1)),))
+            stacks += 1
+    assert stacks == 3 * 9 * 4  # params, mu, nu x 9 leaves per llama layer x 4 stages
