@@ -1,9 +1,10 @@
 """`jax_cache_dir` and the run-long compilation cache (`MaxText/cluster/compile_cache.py`).
 
-Counted with JAX's own cache events (`jax.monitoring`): a second run of the same pipelined
-training with `jax_cache_dir` set compiles nothing (every program is a cache hit) and trains
-bitwise like the first; a plan that compiles several variants of one step reuses the programs
-they share; and JAX's settings are restored after a run."""
+Counted with JAX's own cache and compile events (`jax.monitoring`): a second run of the same
+pipelined training with `jax_cache_dir` set runs no XLA compile (every program is a cache hit,
+copies on other groups are loaded from the bytes read) and trains bitwise like the first; a
+plan that compiles several variants of one step reuses the programs they share; and JAX's
+settings are restored after a run."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from MaxText.train import main
 
 HITS = "/jax/compilation_cache/cache_hits"
 MISSES = "/jax/compilation_cache/cache_misses"
+COMPILES = "/jax/core/compile/backend_compile_duration"  # a compile or a cache read
 
 
 pytestmark = pytest.mark.usefixtures("no_compilation_cache")  # they count cache events
@@ -30,18 +32,25 @@ pytestmark = pytest.mark.usefixtures("no_compilation_cache")  # they count cache
 
 @contextlib.contextmanager
 def cache_events():
-    """Counts of JAX's persistent-cache hits and misses while the block runs."""
-    seen = {HITS: 0, MISSES: 0}
+    """Counts of JAX's persistent-cache hits and misses and of its backend-compile events (each
+    a real XLA compile or a cache read) while the block runs."""
+    seen = {HITS: 0, MISSES: 0, COMPILES: 0}
 
     def listener(event, **kwargs):
         if event in seen:
             seen[event] += 1
 
+    def duration_listener(event, duration, **kwargs):
+        if event == COMPILES:
+            seen[event] += 1
+
     jax.monitoring.register_event_listener(listener)
+    jax.monitoring.register_event_duration_secs_listener(duration_listener)
     try:
         yield seen
     finally:
         jax.monitoring.unregister_event_listener(listener)
+        jax.monitoring.unregister_event_duration_listener(duration_listener)
 
 
 def train(base: Path, run: str, *overrides: str) -> np.ndarray:
@@ -66,13 +75,20 @@ def train(base: Path, run: str, *overrides: str) -> np.ndarray:
 
 
 def test_second_run_compiles_nothing_and_trains_alike(tmp_path):
+    """A restart of the same pipelined run with a warm `jax_cache_dir` runs no XLA compile at
+    all: every program is read from the cache, and the layer block both stages share (scanned
+    layers, the default) is loaded onto the second group from the bytes read (on XLA:CPU a
+    deserialized executable cannot be serialized again). It trains bitwise like the first run."""
     cache = tmp_path / "jax_cache"
+    overrides = (f"jax_cache_dir={cache}", "pipeline_parallelism=2", "scan_layers=true")
     with cache_events() as first:
-        losses = train(tmp_path, "first", f"jax_cache_dir={cache}", "pipeline_parallelism=2")
+        losses = train(tmp_path, "first", *overrides)
     assert first[MISSES] > 0 and any(cache.iterdir())
     with cache_events() as second:
-        again = train(tmp_path, "second", f"jax_cache_dir={cache}", "pipeline_parallelism=2")
-    # (in this process a few helper functions stay compiled in jax.jit's own memory cache)
+        again = train(tmp_path, "second", *overrides)
+    # (in this process a few helper functions stay compiled in jax.jit's own memory cache, so
+    # they do not even read the cache)
+    assert second[COMPILES] - second[HITS] == 0, (first, second)  # real compiles
     assert second[MISSES] == 0 and second[HITS] > 0, (first, second)
     assert_bitwise(losses, again, "losses with programs from the cache")
     assert jax.config.jax_compilation_cache_dir is None  # JAX's settings are back
