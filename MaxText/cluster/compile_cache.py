@@ -9,8 +9,11 @@ repeat into a read of the executable compiled first.
 
 - `jax_cache_dir=<dir>` (MaxText's key): executables persist in `<dir>` across runs, so a
   restarted or resumed run, or a plan re-run with one key changed, skips the compiles it has
-  seen. JAX keys each entry by the program, the compiler flags and the devices, so a stale entry
-  is never used; the directory is never pruned (delete it at will).
+  seen: a restart of a one-process pipelined run compiles nothing at all (the engine loads the
+  programs groups share from the bytes read, `jaxpp_integration/compiler/compile.py`). JAX keys
+  each entry by the program, the compiler flags and the devices, so a stale entry is never
+  used, and writes entries from process 0 only; the directory is never pruned (delete it at
+  will).
 - `jax_cache_dir=""` (default): a temporary directory for this run only, removed at exit, unless
   JAX's cache is already configured (`JAX_COMPILATION_CACHE_DIR`), which is then used as is.
 

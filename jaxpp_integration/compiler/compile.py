@@ -3,17 +3,23 @@
 Each `TaskCode` becomes a Python function over flat arrays (evaluating its equations, slicing the
 microbatch, updating accumulators) and is compiled with `jax.jit(...).lower(...).compile()` with
 explicit input shardings on its rank's mesh. Meshes captured inside equations (sharding
-constraints, nested jits, shard_map) are rebound from the lowering mesh to the group's mesh.
+constraints, nested jits, shard_map) are rebound from the lowering mesh to the group's mesh. A
+loop task cut at its layer scans (`blocks.py`) is compiled piece by piece and runs as one
+`ChainedExecutable`.
 
-One XLA compile per distinct program: a program is keyed by its equations as traced, its input
-layouts relative to the group's sub-mesh and its donation, never by rank or device ids. The first
-group that runs it compiles it; every other group gets that executable loaded onto its own
-devices (`jax_compat.load_compiled_on`); other microbatches reuse their group's executable.
+One XLA compile per distinct program: a program (a task, or a piece of one) is keyed by its
+equations as traced, its input layouts relative to the group's sub-mesh and its donation, never
+by stage, rank or device ids; so every stage's layer block of one layer count is one program.
+The first group that runs it compiles it; every other group gets that executable loaded onto its
+own devices (`jax_compat.load_compiled_on`); other microbatches reuse their group's executable.
+Programs are named after their task (`fwd_1`, `fwd_layers`, `after_loop_0_1`): XLA's module
+name, and the name JAX's compile events and logs carry.
 
-With JAX's persistent compilation cache on (`jax_cache_dir`), a program may come from the cache;
-XLA:CPU cannot serialize an executable it deserialized, so before loading such a program onto
-other groups it is compiled once more without the cache (one extra compile per shared program
-when the cache is warm; the other programs are cache reads).
+With JAX's persistent compilation cache on (`jax_cache_dir`), a program may be read from the
+cache instead of compiled; XLA:CPU cannot serialize an executable it deserialized, so the copies
+for other groups are loaded from the executable bytes the cache read returned. A restart with a
+warm cache thus runs no XLA compile (if those bytes are unknown, e.g. under another JAX version,
+a shared program is compiled once more without the cache).
 """
 
 from __future__ import annotations
