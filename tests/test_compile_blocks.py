@@ -97,13 +97,14 @@ def compile_step(config):
 
 
 def expected_programs(stages: int) -> list[str]:
-    """The distinct programs of a uniform scanned pipeline, hand-counted (first/middle/last stage
-    and the rank-to-rank structure of the optimizer), and the same for any number of stages:
-    the batch split before the loop on the first and last group (tokens; targets and mask);
-    forward: the first stage's embedding, the layer block, the last stage's norm, head and
-    loss; backward: the loss and head gradients, the layer block, the embedding gradient; after
-    the loop, per group kind (first, middle, last): the squared gradient norms, then the
-    clipped AdamW update."""
+    """The distinct programs of a uniform scanned pipeline, the same for any number of stages
+    and layers (named after the first task that compiles each). Before the loop: the batch
+    split on the first and last group (tokens; targets and mask). Forward: the first stage's
+    embedding, the layer block, the last stage's norm, head and loss. Backward: the loss and
+    head gradients, the layer block, the embedding gradient. After the loop, in two segments
+    (the squared gradient norms, then the clipped AdamW update; `blocks.independent_parts`):
+    the layer stack's part of each (one program for every group), the first and last group's
+    own parts (embedding; final norm and head) and the scalars each kind of group hands on."""
     last = stages - 1
     return sorted(
         [
@@ -115,7 +116,16 @@ def expected_programs(stages: int) -> list[str]:
             f"bwd_{last}_pre",
             "bwd_layers",
             "bwd_0_post",
-            *(f"after_loop_{r}_{k}" for r in (0, 1, last) for k in (0, 1)),
+            "after_loop_0_0_part0",  # the layer stack's squared norms, on every group
+            "after_loop_0_1_part0",  # the layer stack's AdamW update, on every group
+            "after_loop_0_0_part1",  # the embedding's
+            "after_loop_0_1_part1",
+            f"after_loop_{last}_0_part1",  # the final norm's and the head's
+            f"after_loop_{last}_1_part1",
+            "after_loop_0_0_part2",  # scalars handed on: first, middle and last groups
+            "after_loop_0_1_part2",
+            "after_loop_1_1_part1",
+            f"after_loop_{last}_0_part2",
         ]
     )
 
@@ -123,7 +133,7 @@ def expected_programs(stages: int) -> list[str]:
 @pytest.mark.parametrize("stages, layers", [(4, 8), (8, 8), (4, 32)])
 def test_layer_block_compiles_once_for_forward_and_once_for_backward(stages, layers):
     """4 or 8 stages of 2 or 8 layers: exactly two compiled modules hold a layer scan (the
-    block's forward and backward), and the compiles are the same 14 distinct programs in every
+    block's forward and backward), and the compiles are the same 18 distinct programs in every
     configuration; every other group's copy of a shared program is loaded, not compiled."""
     config = config_of(stages, layers)
     assert config.stage_layers == (layers // stages,) * stages
@@ -132,7 +142,7 @@ def test_layer_block_compiles_once_for_forward_and_once_for_backward(stages, lay
     assert loops == ["bwd_layers", "fwd_layers"], seen
     assert sorted(name for name, _ in seen) == expected_programs(stages)
     stats = compiled.compile_stats
-    assert stats.compiles == len(seen) == 14 and stats.persistent_hits == 0
+    assert stats.compiles == len(seen) == 18 and stats.persistent_hits == 0
     assert sorted(stats.compiled) == expected_programs(stages)
     # each layer block is loaded onto the other stages' groups
     assert stats.loads >= 2 * (stages - 1)

@@ -42,7 +42,7 @@ _CONSTRAINT = "sharding_constraint"
 class Piece:
     """One program of a cut task: its equations and what it reads and hands on."""
 
-    role: str  # "layers", or "pre" / "mid" / "post" for glue before / between / after blocks
+    role: str  # "layers"; "pre" / "mid" / "post": glue before / between / after; "part<i>"
     eqns: list
     invars: list = dataclasses.field(default_factory=list)  # task inputs or earlier outputs
     outvars: list = dataclasses.field(default_factory=list)  # read by later pieces or outside
@@ -199,6 +199,119 @@ def _wire(pieces: list[Piece], outvars, owned_vars) -> None:
 def _made_later(v, made_in, i) -> bool:
     """A program constant recomputed by a later piece: that piece hands it on, not this one."""
     return any(v in m for m in made_in[i + 1 :])
+
+
+def independent_parts(eqns, outvars) -> list[Piece]:
+    """Work outside the loop (an optimizer update) cut into its independent parts, or [] when
+    it is one part: one piece per group of equations connected through non-scalar values (in
+    practice one parameter's update, or its squared norm), scalar work that only reads scalars
+    (a step count, a clip factor, a learning rate) recomputed in every part that reads it. So
+    the update of a layer stack is one program for every stage, and of every weight of one
+    shape. Parts run in an order that respects the scalars one hands another (a squared norm
+    summed later); the scalars the task hands on (`outvars`) are made by a last part of their
+    own (role "light"), so the other parts look alike on every group."""
+    light = {
+        id(e)
+        for e in eqns
+        if not e.effects and e.outvars and all(_scalar(v) for v in [*e.invars, *e.outvars])
+    }
+    heavy = [e for e in eqns if id(e) not in light]
+    if len(heavy) < 2:
+        return []
+    parent = {id(e): id(e) for e in heavy}
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    made_by = {o: e for e in heavy for o in e.outvars}
+    for e in heavy:
+        for v in e.invars:
+            if isinstance(v, Var) and not _scalar(v) and v in made_by:
+                parent[root(id(made_by[v]))] = root(id(e))
+    groups: dict = {}
+    for e in heavy:
+        groups.setdefault(root(id(e)), []).append(e)
+    if len(groups) < 2:
+        return []
+    light_by = {o: e for e in eqns if id(e) in light for o in e.outvars}
+
+    def light_closure(wanted) -> list:
+        need, keep = set(wanted), []
+        for e in reversed(eqns):
+            if id(e) in light and any(o in need for o in e.outvars):
+                keep.append(e)
+                need.update(v for v in e.invars if isinstance(v, Var))
+        return keep[::-1]
+
+    position = {id(e): i for i, e in enumerate(eqns)}
+    parts = []
+    for members in groups.values():
+        reads = {v for e in members for v in e.invars if isinstance(v, Var) and v in light_by}
+        body = light_closure(reads) + members
+        parts.append(Piece("part", sorted(body, key=lambda e: position[id(e)])))
+    handed = [v for v in outvars if isinstance(v, Var) and v in light_by]
+    order = _dependency_order(parts)
+    if order is None:  # parts that feed each other scalars both ways: left whole
+        return []
+    if handed:  # light results the task hands on: made last, by a part of their own
+        order.append(Piece("light", light_closure(handed)))
+    for i, part in enumerate(order):
+        part.role = f"part{i}" if part.role == "part" else part.role
+    _wire(order, outvars, [])
+    return order
+
+
+def group_parts(eqns, parts: list[Piece], groups: list[int], outvars) -> list[Piece]:
+    """`parts` (of `independent_parts`) merged into one piece per group id (`groups[i]` for
+    part i), smaller ids first where the values they hand each other allow; [] when no order
+    is valid."""
+    ids = sorted(set(groups))
+    position = {id(e): i for i, e in enumerate(eqns)}
+    merged = []
+    for g in ids:
+        seen, body = set(), []
+        for part, pg in zip(parts, groups):
+            if pg == g:
+                for e in part.eqns:
+                    if id(e) not in seen:
+                        seen.add(id(e))
+                        body.append(e)
+        merged.append(Piece("part", sorted(body, key=lambda e: position[id(e)])))
+    order = _dependency_order(merged)
+    if order is None:
+        return []
+    for i, piece in enumerate(order):
+        piece.role = f"part{i}"
+    _wire(order, outvars, [])
+    return order
+
+
+def _scalar(v) -> bool:
+    return not getattr(getattr(v, "aval", None), "shape", (1,))
+
+
+def _dependency_order(parts):
+    """`parts` ordered so that each reads only what earlier ones make (stable: program order
+    among independent parts), or None when no such order exists."""
+    made = [{o for e in p.eqns for o in e.outvars} for p in parts]
+    reads = [
+        {v for e in p.eqns for v in e.invars if isinstance(v, Var)} - made[i]
+        for i, p in enumerate(parts)
+    ]
+    after = [
+        {j for j in range(len(parts)) if j != i and reads[i] & made[j]} for i in range(len(parts))
+    ]
+    out, done = [], set()
+    while len(out) < len(parts):
+        ready = [i for i in range(len(parts)) if i not in done and after[i] <= done]
+        if not ready:
+            return None
+        done.add(ready[0])
+        out.append(parts[ready[0]])
+    return out
 
 
 class ChainedExecutable:

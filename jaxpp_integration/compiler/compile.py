@@ -33,7 +33,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_integration.compiler.blocks import ChainedExecutable
+from jaxpp_integration.compiler.blocks import ChainedExecutable, group_parts, independent_parts
 from jaxpp_integration.compiler.program import Fill, Program, Run, TaskCode, Transfer
 from jaxpp_integration.frontend.treduce import microbatch
 from jaxpp_integration.jax_compat import (
@@ -126,10 +126,44 @@ def task_function(code: TaskCode, eqns):
     return loop
 
 
+def after_loop_pieces(codes) -> dict:
+    """id(code) -> the pieces of each after-loop task in `codes` (the distinct `TaskCode`s of
+    one program): its independent parts (`blocks.independent_parts`) grouped by the groups
+    whose tasks have the very same part, one piece per such set, the most widely shared first:
+    a layer stack's optimizer update is then one program on every stage's group, the
+    embedding's and the head's each a piece of its own; () when no part is shared."""
+    parts = {id(c): independent_parts(c.eqns, c.outvars) for c in codes if c.kind == "after"}
+    text = {
+        id(p): str(make_jaxpr_of(p.eqns, p.invars, p.outvars)) for ps in parts.values() for p in ps
+    }
+    ranks: dict = {}
+    for c in codes:
+        for p in parts.get(id(c), ()):
+            ranks.setdefault(text[id(p)], set()).add(c.rank)
+    # parts found on the same groups go together; the most widely shared first
+    kinds = sorted({frozenset(r) for r in ranks.values()}, key=lambda r: (-len(r), sorted(r)))
+    order = {r: i for i, r in enumerate(kinds)}
+    out = {}
+    for c in codes:
+        ps = parts.get(id(c))
+        if ps:
+            groups = [  # the scalars handed on last, whatever groups they are found on
+                len(kinds) if p.role == "light" else order[frozenset(ranks[text[id(p)]])]
+                for p in ps
+            ]
+            if any(g < len(kinds) and len(kinds[g]) > 1 for g in groups):  # else: as it is
+                out[id(c)] = tuple(group_parts(c.eqns, ps, groups, c.outvars))
+    return out
+
+
 def piece_function(code: TaskCode, piece, eqns):
-    """One piece of a cut loop task (`blocks.py`) as a function over (its inputs..., the
-    accumulators it updates..., microbatch index): it slices the microbatch inputs it reads and
-    updates its accumulators, as `task_function` does for a whole task."""
+    """One piece of a task (see `compile_program`'s `pieces`) as a function. A loop task's
+    piece takes (its inputs..., the accumulators it updates..., microbatch index): it slices the
+    microbatch inputs it reads and updates its accumulators, as `task_function` does for a whole
+    task.
+    A part of after-loop work takes its inputs only."""
+    if code.kind != "loop":
+        return _eqns_fn(eqns, piece.invars, piece.outvars)
     mb_vars = {code.invars[i] for i in code.mb_slices}
     ops = [code.acc_ops[k][0] for k in piece.owned]
     owned = [code.acc_ops[k][1] for k in piece.owned]
@@ -151,7 +185,8 @@ def piece_function(code: TaskCode, piece, eqns):
 
 def piece_name(code: TaskCode, piece) -> str:
     """A piece's program name: `fwd_layers`, `bwd_layers`, ... for a layer block (one program
-    for every stage that has it), `<task>_<role>` for glue (`fwd_0_pre`, `fwd_3_post`)."""
+    for every stage that has it), `<task>_<role>` otherwise (`fwd_0_pre`, `fwd_3_post`,
+    `after_loop_1_1_part4`: named after the first task compiling it)."""
     if piece.role == "layers":
         return f"{code.phase.value}_layers"
     return f"{code.name}_{piece.role}"
@@ -288,7 +323,7 @@ def compile_program(
     lowering = mpmd_mesh.lowering_mesh()
     src_meshes = (lowering, mpmd_mesh.jax_mesh)
     stats = CompileStats()
-    lock = threading.Lock()
+    lock = threading.RLock()
     in_flight: dict = {}  # (program key, rank) -> Future of the executable
     programs = cache  # program key -> [(rank, Future)] of the groups it was compiled for
     fn_cache: dict = {}
@@ -308,11 +343,19 @@ def compile_program(
             sh = slot_sharding[slot] = sh()
         return sh
 
+    codes = list({id(i.code): i.code for i in prog.instrs if isinstance(i, Run)}.values())
+    after_pieces = after_loop_pieces(codes)
+
+    def pieces(code):
+        """The programs a task runs: a loop task cut at its layer scans (`TaskCode.pieces`),
+        an after-loop task's shared and own parts (`after_loop_pieces`), or () for one."""
+        return code.pieces if code.kind == "loop" else after_pieces.get(id(code), ())
+
     def key_of(code, j=None):
         with lock:
             if (id(code), j) not in fn_cache:
                 fn_cache[(id(code), j)] = (
-                    _key(code) if j is None else _piece_key(code, code.pieces[j])
+                    _key(code) if j is None else _piece_key(code, pieces(code)[j])
                 )
             return fn_cache[(id(code), j)]
 
@@ -327,7 +370,7 @@ def compile_program(
 
     def lower_piece(code, j, avals, in_sh, donate):
         group = mpmd_mesh.unstack[code.rank]
-        piece = code.pieces[j]
+        piece = pieces(code)[j]
         fn = piece_function(code, piece, rebind_meshes(piece.eqns, src_meshes, group))
         specs = _piece_specs(code, piece)
         if specs:
@@ -413,21 +456,33 @@ def compile_program(
         fut.set_result(exe)
         return exe
 
-    def chained(ins, in_sh):
-        """A task cut at its layer scans: each piece is a program of its own (shared by every
-        stage and group where it is identical), chained into one executable for the task."""
+    def chained(ins, in_sh, parts):
+        """A task run as several programs (`pieces`): each piece is compiled (or loaded) as
+        a program of its own, shared by every stage and group where it is identical, and the
+        pieces are chained into one executable for the task."""
         code = ins.code
         group = mpmd_mesh.unstack[code.rank]
+        loop = code.kind == "loop"
         n_args, n_in = len(ins.ins), len(code.invars)
         env_sh = list(in_sh)
         env_aval = [prog.slot_aval[s] for s in ins.ins]
         where = {v: i for i, v in enumerate(code.invars)}
         acc_at = {k: n_in + k for k in range(len(code.acc_ops))}
+        reads = [
+            [where.get(v) for v in piece.invars] + [n_in + k for k in piece.owned]
+            for piece in parts
+        ]
+        last_reader = {p: j for j, args in enumerate(reads) for p in args if p is not None}
         steps = []
-        for j, piece in enumerate(code.pieces):
+        for j, piece in enumerate(parts):
             args = [where[v] for v in piece.invars] + [acc_at[k] for k in piece.owned]
-            args.append(n_args - 1)  # the microbatch index
-            donate = tuple(a for a, p in enumerate(args) if p < n_args and p in ins.donate)
+            if loop:
+                args.append(n_args - 1)  # the microbatch index
+            donate = tuple(  # a donated task input goes to the last piece reading it
+                a
+                for a, p in enumerate(args)
+                if p < n_args and p in ins.donate and last_reader.get(p) == j
+            )
             p_sh = tuple(env_sh[p] for p in args)
             p_aval = [env_aval[p] for p in args]
             key = (key_of(code, j), tuple(_layout_key(sh, group) for sh in p_sh), donate)
@@ -460,8 +515,9 @@ def compile_program(
     def executable_for(ins):
         code = ins.code
         in_sh = tuple(resolve(s) for s in ins.ins)
-        if code.pieces:
-            return chained(ins, in_sh)
+        parts = pieces(code)
+        if parts:
+            return chained(ins, in_sh, parts)
         group = mpmd_mesh.unstack[code.rank]
         key = (key_of(code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
         return program(key, code.rank, code.name, lambda: lower(code, ins, in_sh))
