@@ -132,7 +132,11 @@ def after_loop_pieces(codes) -> dict:
     whose tasks have the very same part, one piece per such set, the most widely shared first:
     a layer stack's optimizer update is then one program on every stage's group, the
     embedding's and the head's each a piece of its own; () when no part is shared."""
-    parts = {id(c): independent_parts(c.eqns, c.outvars) for c in codes if c.kind == "after"}
+    parts = {  # (the engine's reduce_r / gather_r tasks batch collectives: left whole)
+        id(c): independent_parts(c.eqns, c.outvars)
+        for c in codes
+        if c.kind == "after" and c.name.startswith("after_loop_")
+    }
     text = {
         id(p): str(make_jaxpr_of(p.eqns, p.invars, p.outvars)) for ps in parts.values() for p in ps
     }
