@@ -286,7 +286,39 @@ def group_parts(eqns, parts: list[Piece], groups: list[int], outvars) -> list[Pi
     for i, piece in enumerate(order):
         piece.role = f"part{i}"
     _wire(order, outvars, [])
+    if not all(_same_scalar_uses(eqns, outvars, piece) for piece in order):
+        return []
     return order
+
+
+def _same_scalar_uses(eqns, outvars, piece: Piece) -> bool:
+    """Whether XLA sees every scalar `piece` combines with arrays used once there exactly when
+    it is used once in the whole task. XLA rewrites `x / s` as `x * (1 / s)` only when `s` has
+    one use (and then no longer folds `(x / a) / b` into `x / (a * b)`), which changes results
+    in the last bit: a piece updating one weight alone would not compute what the task (and
+    `jax.jit` of the whole step) does."""
+
+    def uses(body, handed):
+        n: dict = {}
+        for e in body:
+            for v in e.invars:
+                if isinstance(v, Var) and _scalar(v):
+                    n[v] = n.get(v, 0) + 1
+        for v in handed:
+            if isinstance(v, Var) and _scalar(v):
+                n[v] = n.get(v, 0) + 1
+        return n
+
+    whole = uses(eqns, outvars)
+    mine = uses(piece.eqns, piece.outvars)
+    mixed = {
+        v
+        for e in piece.eqns
+        if not all(_scalar(o) for o in e.outvars)
+        for v in e.invars
+        if isinstance(v, Var) and _scalar(v)
+    }
+    return all((mine[v] == 1) == (whole.get(v, 0) == 1) for v in mixed)
 
 
 def _scalar(v) -> bool:
