@@ -20,6 +20,11 @@ Stages with the same layer count and remat policy thus have identical block piec
 for the forward and once for the backward and loaded onto every group (`compile.py` keys programs
 by their equations, never by stage or device). A task without a layer scan stays one program.
 
+A cut is made only where XLA simplifies every piece as it would the whole task (see
+`_same_scalar_uses`), so results keep their bits. Work after the loop (an optimizer update) is
+cut the same way into its independent parts (`independent_parts`, `group_parts`): the update of
+a layer stack is then one program for every stage.
+
 Guarantees: the pieces run in order compute exactly the task's equations (a piece reads only
 task inputs and earlier pieces' outputs); every accumulator the task updates is updated by
 exactly one piece (the one producing its value, else the last); the schedule, the simulator and
@@ -104,6 +109,9 @@ def cut_task(eqns, outvars, owned_vars, phase: Phase, loop_constants) -> list[Pi
         if p.role == "glue":
             p.role = "pre" if i < first else "post" if i > last else "mid"
     _wire(pieces, outvars, owned_vars)
+    handed = [*outvars, *owned_vars]
+    if not all(_same_scalar_uses(eqns, handed, p) for p in pieces):
+        return []  # XLA would simplify a piece otherwise than the task: left one program
     return pieces
 
 
