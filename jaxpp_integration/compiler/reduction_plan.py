@@ -120,10 +120,12 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
     if name == "microbatch":
         return ReductionPlan(body, None, None, ReductionChoice(name))
     mb_rows = seed_rows(jaxpr, in_specs, before, loop_eqn.invars[p["n_consts"] :], p["axis"])
-    row_axes = tuple(dict.fromkeys(a for r in mb_rows if r is not None for a in r.axes))
+    mesh_shape = dict(mpmd_mesh.jax_mesh.shape)
+    row_axes = tuple(  # axes of size 1 split nothing
+        dict.fromkeys(a for r in mb_rows if r is not None for a in r.axes if mesh_shape[a] > 1)
+    )
     if not row_axes:
         return ReductionPlan(body, None, None, ReductionChoice(name))
-    mesh_shape = dict(mpmd_mesh.jax_mesh.shape)
     partners = _partner_specs(jaxpr, in_specs)
     sharded = [
         tuple(a for a in row_axes if spec is not None and a in _names_of(spec))

@@ -265,24 +265,25 @@ def axes_key(axes: tuple) -> str:
     return "+".join(axes)
 
 
-def program_collectives(compiled) -> dict:
+def program_collectives(compiled, where=None) -> dict:
     """Per step of a `CompiledMpmdFunction`: {kind: {"launches", "bytes"}} summed over every task
     instance of every group, plus "transfer" for values moved between groups; "by_axis":
     {kind: {axes: {"launches", "bytes"}}} with the mesh axes each collective spans
-    (`axes_key`); "by_task": {task name: {kind: launches per instance}}."""
+    (`axes_key`); "by_task": {task name: {kind: launches per instance}}. `where(task code)`
+    keeps only some tasks (e.g. the loop's and the `reduce_r` ones)."""
     prog = compiled.program
     per_exe: dict = {}
     totals = {k: {"launches": 0, "bytes": 0} for k in (*KINDS, "transfer")}
     by_axis: dict = {}
     by_task: dict = {}
     for idx, ins in enumerate(prog.instrs):
-        if isinstance(ins, Transfer):
+        if isinstance(ins, Transfer) and where is None:
             aval = prog.slot_aval[ins.dst]
             totals["transfer"]["launches"] += 1
             totals["transfer"]["bytes"] += (
                 int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
             )
-        elif isinstance(ins, Run):
+        elif isinstance(ins, Run) and (where is None or where(ins.code)):
             ops = _task_ops(compiled, idx, per_exe)
             counts: dict = {}
             for op, axes in ops:
