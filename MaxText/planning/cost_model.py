@@ -274,14 +274,21 @@ def gradient_communication(compiled, groups) -> dict:
     once per step or reduce-scatters every microbatch, the gradient accumulator bytes per device
     of each group (`GroupPlan.grad_bytes`), and the reduction launches and bytes per device per
     step of the loop and `reduce_r` tasks by kind and mesh axes (counted in the compiled HLO,
-    loops per trip; the optimizer's own reductions, e.g. the global norm, excluded)."""
+    loops per trip; the optimizer's own reductions, e.g. the global norm, excluded), and those
+    of the loop tasks alone ("in_loop_tasks")."""
     from jaxpp_integration.tools.collectives import program_collectives
 
     choice = compiled.reduction_choice
     counts = program_collectives(
         compiled, where=lambda code: code.kind == "loop" or code.name.startswith("reduce_")
     )
+    in_loop = program_collectives(compiled, where=lambda code: code.kind == "loop")
     return {
+        "in_loop_tasks": {
+            kind: in_loop[kind]["launches"]
+            for kind in ("all-reduce", "reduce-scatter")
+            if in_loop[kind]["launches"]
+        },
         "mode": choice.mode,
         "deferred_axes": list(choice.deferred_axes),
         "scattered_axes": list(choice.scattered_axes),
@@ -292,6 +299,26 @@ def gradient_communication(compiled, groups) -> dict:
             if kind in counts["by_axis"]
         },
     }
+
+
+def describe_gradients(report: dict) -> str:
+    """One line of `gradient_communication`'s report for the printed plan."""
+    axes = []
+    if report["deferred_axes"]:
+        axes.append(f"deferred over {'+'.join(report['deferred_axes'])}")
+    if report["scattered_axes"]:
+        axes.append(f"reduce-scattered over {'+'.join(report['scattered_axes'])} every microbatch")
+    launches = [
+        f"{kind} {c['launches']} over {where or 'one device'} ({format_bytes(c['bytes'])})"
+        for kind, by_axes in report["reductions"].items()
+        for where, c in by_axes.items()
+    ]
+    return (
+        f"gradient_reduction={report['mode']}"
+        + (f" ({'; '.join(axes)})" if axes else "")
+        + f": per step {', '.join(launches) or 'no reduction'}; gradients per device "
+        + " / ".join(format_bytes(b) for b in report["grad_bytes"])
+    )
 
 
 def _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside):
