@@ -274,8 +274,9 @@ def gradient_communication(compiled, groups) -> dict:
     once per step or reduce-scatters every microbatch, the gradient accumulator bytes per device
     of each group (`GroupPlan.grad_bytes`), and the reduction launches and bytes per device per
     step of the loop and `reduce_r` tasks by kind and mesh axes (counted in the compiled HLO,
-    loops per trip; the optimizer's own reductions, e.g. the global norm, excluded), and those
-    of the loop tasks alone ("in_loop_tasks")."""
+    loops per trip; the optimizer's own reductions, e.g. the global norm, excluded), those of
+    the loop tasks alone ("in_loop_tasks"), and launches and bytes per device of each group
+    ("reductions_per_group": a device takes part in its own group's collectives only)."""
     from jaxpp_integration.tools.collectives import program_collectives
 
     choice = compiled.reduction_choice
@@ -298,6 +299,9 @@ def gradient_communication(compiled, groups) -> dict:
             for kind in ("all-reduce", "reduce-scatter")
             if kind in counts["by_axis"]
         },
+        "reductions_per_group": [
+            counts["by_group"].get(g.group, {"launches": 0, "bytes": 0}) for g in groups
+        ],
     }
 
 

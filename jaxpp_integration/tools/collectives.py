@@ -269,12 +269,14 @@ def program_collectives(compiled, where=None) -> dict:
     """Per step of a `CompiledMpmdFunction`: {kind: {"launches", "bytes"}} summed over every task
     instance of every group, plus "transfer" for values moved between groups; "by_axis":
     {kind: {axes: {"launches", "bytes"}}} with the mesh axes each collective spans
-    (`axes_key`); "by_task": {task name: {kind: launches per instance}}. `where(task code)`
-    keeps only some tasks (e.g. the loop's and the `reduce_r` ones)."""
+    (`axes_key`); "by_group": {group: {"launches", "bytes"}} of the collectives (not transfers)
+    each group's devices run; "by_task": {task name: {kind: launches per instance}}.
+    `where(task code)` keeps only some tasks (e.g. the loop's and the `reduce_r` ones)."""
     prog = compiled.program
     per_exe: dict = {}
     totals = {k: {"launches": 0, "bytes": 0} for k in (*KINDS, "transfer")}
     by_axis: dict = {}
+    by_group: dict = {}
     by_task: dict = {}
     for idx, ins in enumerate(prog.instrs):
         if isinstance(ins, Transfer) and where is None:
@@ -288,16 +290,16 @@ def program_collectives(compiled, where=None) -> dict:
             counts: dict = {}
             for op, axes in ops:
                 counts[op.kind] = counts.get(op.kind, 0) + op.times
-                for entry in (
-                    totals[op.kind],
-                    by_axis.setdefault(op.kind, {}).setdefault(
-                        axes_key(axes), {"launches": 0, "bytes": 0}
-                    ),
-                ):
+                group = by_group.setdefault(ins.code.rank, {"launches": 0, "bytes": 0})
+                axis = by_axis.setdefault(op.kind, {}).setdefault(
+                    axes_key(axes), {"launches": 0, "bytes": 0}
+                )
+                for entry in (totals[op.kind], axis, group):
                     entry["launches"] += op.times
                     entry["bytes"] += op.times * op.bytes
             by_task[ins.code.name] = counts
     totals["by_axis"] = by_axis
+    totals["by_group"] = by_group
     totals["by_task"] = by_task
     return totals
 
