@@ -284,6 +284,7 @@ def gradient_communication(compiled, groups) -> dict:
         compiled, where=lambda code: code.kind == "loop" or code.name.startswith("reduce_")
     )
     in_loop = program_collectives(compiled, where=lambda code: code.kind == "loop")
+    kinds = ("all-reduce", "reduce-scatter")
     return {
         "in_loop_tasks": {
             kind: in_loop[kind]["launches"]
@@ -300,7 +301,13 @@ def gradient_communication(compiled, groups) -> dict:
             if kind in counts["by_axis"]
         },
         "reductions_per_group": [
-            counts["by_group"].get(g.group, {"launches": 0, "bytes": 0}) for g in groups
+            {
+                k: sum(
+                    c[k] for kind, c in counts["by_group"].get(g.group, {}).items() if kind in kinds
+                )
+                for k in ("launches", "bytes")
+            }
+            for g in groups
         ],
     }
 

@@ -269,8 +269,8 @@ def program_collectives(compiled, where=None) -> dict:
     """Per step of a `CompiledMpmdFunction`: {kind: {"launches", "bytes"}} summed over every task
     instance of every group, plus "transfer" for values moved between groups; "by_axis":
     {kind: {axes: {"launches", "bytes"}}} with the mesh axes each collective spans
-    (`axes_key`); "by_group": {group: {"launches", "bytes"}} of the collectives (not transfers)
-    each group's devices run; "by_task": {task name: {kind: launches per instance}}.
+    (`axes_key`); "by_group": {group: {kind: {"launches", "bytes"}}} of the collectives (not
+    transfers) each group's devices run; "by_task": {task name: {kind: launches per instance}}.
     `where(task code)` keeps only some tasks (e.g. the loop's and the `reduce_r` ones)."""
     prog = compiled.program
     per_exe: dict = {}
@@ -290,7 +290,9 @@ def program_collectives(compiled, where=None) -> dict:
             counts: dict = {}
             for op, axes in ops:
                 counts[op.kind] = counts.get(op.kind, 0) + op.times
-                group = by_group.setdefault(ins.code.rank, {"launches": 0, "bytes": 0})
+                group = by_group.setdefault(ins.code.rank, {}).setdefault(
+                    op.kind, {"launches": 0, "bytes": 0}
+                )
                 axis = by_axis.setdefault(op.kind, {}).setdefault(
                     axes_key(axes), {"launches": 0, "bytes": 0}
                 )
