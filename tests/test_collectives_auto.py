@@ -135,7 +135,7 @@ def test_auto_keeps_full_size_partials_when_they_fit():
 
 
 def test_microbatch_with_fsdp_within_1e6_of_jit():
-    """"microbatch" reduces in every backward instance: no deferred sum, no reduce_ task; with
+    """`"microbatch"` reduces in every backward instance: no deferred sum, no reduce_ task; with
     fsdp inside the groups it is not bitwise equal to the sharded jax.jit (measured: a few
     dozen parameter entries of 768 differ in the last ulp after 2 SGD steps; the per-stage
     programs fuse the sharded reductions differently), so it is held to 1e-6 per leaf."""
