@@ -29,6 +29,7 @@ from MaxText.config.checks import (  # noqa: F401  (ATTENTION_KERNELS: re-export
     ATTENTION_KERNELS,
     validate_attention_and_profiler,
     validate_data,
+    validate_rope,
 )
 from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, resolve_parallelism
@@ -60,6 +61,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "remat_policy": (*REMAT_POLICIES, "auto"),
     "dataset_type": ("text", "synthetic", "tfds", "grain"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk"),
+    "rope_type": ("default", "llama3.1"),
+    "hf_output_dtype": ("", "bfloat16", "float32", "float16"),
 }
 
 
@@ -109,6 +112,11 @@ class Config:
     logits_via_embedding: bool
     normalization_layer_epsilon: float
     rope_max_timescale: float
+    rope_type: str
+    rope_scaling_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position_embeddings: int
     dtype: str
     weight_dtype: str
     remat_policy: str
@@ -146,6 +154,8 @@ class Config:
     eval_split: str
     tokenizer_path: str
     tokenizer_type: str
+    add_bos: bool
+    add_eos: bool
     eval_split_fraction: float
     data_shuffle_seed: int
     packing: bool
@@ -160,6 +170,10 @@ class Config:
     decode_sampling_strategy: str
     decode_sampling_temperature: float
     decode_sampling_top_k: int
+    # Hugging Face checkpoints
+    hf_model_path: str
+    hf_output_path: str
+    hf_output_dtype: str
     # attention kernel and profiler (MaxText's keys; validated in checks.py)
     attention: str
     attention_block_size: int
@@ -459,6 +473,7 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     if v["per_device_batch_size"] <= 0:
         raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: must be > 0")
     validate_data(v)
+    validate_rope(v)
     resolve_parallelism(v, None)
     for axis in MESH_AXES:
         v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
