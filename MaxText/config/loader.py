@@ -2,7 +2,9 @@
 
 `load_config(argv)` reads `argv[0]` (a YAML file, usually `configs/base.yml`), merges the preset
 `configs/models/<model_name>.yml`, then the `key=value` overrides in `argv[1:]` (the command line
-wins over the preset, the preset over the base file). Values are parsed as YAML scalars and checked
+wins over the preset, the preset over the base file). With `load_parameters_path=` the model keys
+saved with that checkpoint come in between (command line > checkpoint > YAML; see
+`checkpoint_keys.py`). Values are parsed as YAML scalars and checked
 against the field's type. Unknown keys, wrong types and impossible combinations raise `ConfigError`
 with one line saying what is wrong and how to fix it; `train.py` turns that into exit code 2.
 
@@ -25,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from MaxText.config.checkpoint_keys import checkpoint_values
 from MaxText.config.checks import (  # noqa: F401  (ATTENTION_KERNELS: re-exported)
     ATTENTION_KERNELS,
     validate_attention_and_profiler,
@@ -174,6 +177,7 @@ class Config:
     hf_model_path: str
     hf_output_path: str
     hf_output_dtype: str
+    hf_max_shard_mb: float
     # attention kernel and profiler (MaxText's keys; validated in checks.py)
     attention: str
     attention_block_size: int
@@ -561,6 +565,15 @@ def load_config(argv: Sequence[str]) -> Config:
         preset = _read_yaml(preset_path)
         preset.pop("model_name", None)
         values.update(preset)
+    # load_parameters_path: the checkpoint's model keys sit between the YAML files and the
+    # command line (MaxText/config/checkpoint_keys.py)
+    parameters_path = overrides.get("load_parameters_path", values.get("load_parameters_path"))
+    if parameters_path and parameters_path[0]:
+        path = str(parameters_path[0])
+        if not Path(path).exists():
+            raise ConfigError(f"load_parameters_path={path} does not exist")
+        source = f"checkpoint {path}"
+        values.update({k: (v, source) for k, v in checkpoint_values(path).items()})
     values.update(overrides)
 
     missing = [k for k in key_fields() if k not in values]
