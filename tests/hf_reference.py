@@ -73,8 +73,8 @@ def random_tensors(cfg, seed: int) -> dict[str, np.ndarray]:
     for name, shape in tensor_shapes(cfg).items():
         if name.endswith("norm.weight"):
             x = 1.0 + 0.2 * rng.standard_normal(shape)
-        elif name == "model.embed_tokens.weight":
-            x = rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":  # also the head when tied: logits ~ +-5
+            x = 0.25 * rng.standard_normal(shape)
         else:  # [out, in]: unit-variance outputs
             x = rng.standard_normal(shape) / math.sqrt(shape[1])
         out[name] = x.astype(np.float32)
@@ -136,10 +136,18 @@ def flax_params(cfg, tensors: dict[str, np.ndarray]) -> dict:
 
 
 def flax_logits(cfg, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    """FlaxLlamaForCausalLM's float32 logits [B, L, V] (under one `jax.jit`)."""
+    import jax
     from transformers import FlaxLlamaForCausalLM
 
-    model = FlaxLlamaForCausalLM(cfg, _do_init=False)
-    return np.asarray(model(np.asarray(tokens), params=flax_params(cfg, tensors)).logits)
+    key = cfg.to_json_string()
+    if key not in _FLAX_RUNS:
+        model = FlaxLlamaForCausalLM(cfg, _do_init=False)
+        _FLAX_RUNS[key] = jax.jit(lambda params, ids: model(ids, params=params).logits)
+    return np.asarray(_FLAX_RUNS[key](flax_params(cfg, tensors), np.asarray(tokens)))
+
+
+_FLAX_RUNS: dict = {}  # one jitted model per config
 
 
 # ---------------------------------------------------------------------- float64 reference
