@@ -140,46 +140,18 @@ def make_sampler(config: Config, vocab_limit: int, banned: Sequence[int]):
     return sample
 
 
-def sample_tokens(
-    config: Config,
-    params: Any,
-    prompt_ids: Sequence[int],
-    *,
-    vocab_limit: int,
-    banned: Sequence[int] = (),
-    eos_id: int = -1,
-    kv_cache: bool = True,
-) -> list[int]:
-    """The ids generated after `prompt_ids`, up to `max_predict_length` tokens in all or EOS.
-
-    `kv_cache=True`: the prompt (padded to `max_prefill_predict_length`) is run once, filling
-    a KV cache of `max_predict_length` slots; each new token is then one [1, 1] step against
-    it. `kv_cache=False`: every token reruns the model on the whole [1, max_predict_length]
-    buffer (the reference loop; attention is causal, so the unused tail does not change the
-    logits at the current position). Both sample token t with `fold_in(key(seed), t)`."""
+@functools.lru_cache(maxsize=8)
+def decoding_programs(config: Config, vocab_limit: int, banned: tuple[int, ...]):
+    """The jitted programs of `sample_tokens` for one config (built once, so repeated calls
+    reuse their compilations): `full_step` (no cache), `prefill` and `decode` (KV cache)."""
     model = Decoder(config)
     sample = make_sampler(config, vocab_limit, banned)
-    key = jax.random.key(config.seed)
     length = config.max_predict_length
-    t = len(prompt_ids)
-    out: list[int] = []
-    if not kv_cache:
 
-        @jax.jit
-        def step(params, tokens_1xT, t, key):
-            logits_1xTxV = model.apply({"params": params}, tokens_1xT)
-            return sample(jax.lax.dynamic_index_in_dim(logits_1xTxV[0], t - 1, 0, False), key)
-
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, :t] = prompt_ids
-        while t < length:
-            token = int(step(params, tokens, t, jax.random.fold_in(key, t)))
-            if token == eos_id:
-                break
-            tokens[0, t] = token
-            out.append(token)
-            t += 1
-        return out
+    @jax.jit
+    def full_step(params, tokens_1xT, t, key):
+        logits_1xTxV = model.apply({"params": params}, tokens_1xT)
+        return sample(jax.lax.dynamic_index_in_dim(logits_1xTxV[0], t - 1, 0, False), key)
 
     @jax.jit
     def prefill(params, tokens_1xP, t, key):
@@ -197,6 +169,43 @@ def sample_tokens(
             {"params": params}, jnp.reshape(token, (1, 1)), positions_1x1, cache=cache
         )
         return sample(logits_1x1xV[0, 0], key), cache
+
+    return full_step, prefill, decode
+
+
+def sample_tokens(
+    config: Config,
+    params: Any,
+    prompt_ids: Sequence[int],
+    *,
+    vocab_limit: int,
+    banned: Sequence[int] = (),
+    eos_id: int = -1,
+    kv_cache: bool = True,
+) -> list[int]:
+    """The ids generated after `prompt_ids`, up to `max_predict_length` tokens in all or EOS.
+
+    `kv_cache=True`: the prompt (padded to `max_prefill_predict_length`) is run once, filling
+    a KV cache of `max_predict_length` slots; each new token is then one [1, 1] step against
+    it. `kv_cache=False`: every token reruns the model on the whole [1, max_predict_length]
+    buffer (the reference loop; attention is causal, so the unused tail does not change the
+    logits at the current position). Both sample token t with `fold_in(key(seed), t)`."""
+    full_step, prefill, decode = decoding_programs(config, vocab_limit, tuple(banned))
+    key = jax.random.key(config.seed)
+    length = config.max_predict_length
+    t = len(prompt_ids)
+    out: list[int] = []
+    if not kv_cache:
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, :t] = prompt_ids
+        while t < length:
+            token = int(full_step(params, tokens, t, jax.random.fold_in(key, t)))
+            if token == eos_id:
+                break
+            tokens[0, t] = token
+            out.append(token)
+            t += 1
+        return out
 
     prompt = np.zeros((1, config.max_prefill_predict_length), np.int32)
     prompt[0, :t] = prompt_ids
