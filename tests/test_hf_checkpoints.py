@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from hf_reference import (
@@ -337,3 +338,86 @@ def test_first_training_step_loss_equals_reference(models, tmp_path, layout):
     want = cross_entropy(logits, batch["targets"], batch["targets_mask"])
     assert record["step"] == 1
     assert abs(record["loss"] - want) <= TOL, (record["loss"], want)
+
+
+# ------------------------------------------------------------------------------ README
+
+
+def readme_commands() -> str:
+    """The bash block of the README section "Fine-tune a Llama checkpoint", as written."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## Fine-tune a Llama checkpoint", 1)[1]
+    return section.split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def byte_level_tokenizer(path: Path, vocab_size: int) -> None:
+    """A Llama-3-style byte-level BPE tokenizer.json trained on a few of the bundled plays."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from MaxText.data.text import load_corpus
+
+    texts = [d.text for d in load_corpus("")[:3]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+
+
+@pytest.mark.slow
+def test_readme_fine_tune_commands_run_as_written(tmp_path):
+    """convert -> train at pipeline_parallelism=4 -> generate -> export, the README's commands
+    on a small random Llama with a byte-level BPE tokenizer.json; the exported folder is read
+    by FlaxLlamaForCausalLM and gives the logits of the fine-tuned model."""
+    import os
+    import subprocess
+    import sys
+
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    cfg = llama_config(vocab_size=320)
+    hf = write_hf_folder(tmp_path / "hf", cfg, random_tensors(cfg, seed=11))
+    byte_level_tokenizer(hf / "tokenizer.json", 320)
+    env = dict(os.environ)
+    env.update(
+        HF=str(hf),
+        CKPT=str(tmp_path / "ckpt"),
+        RUNS=str(tmp_path / "runs"),
+        EXPORT=str(tmp_path / "export"),
+        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+    )
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", readme_commands()],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("ROMEO:")  # generate's sample
+    assert "new run finetune starts from the parameters of checkpoint step 0" in proc.stderr
+    run = tmp_path / "runs" / "finetune"
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 10
+
+    exported = {}
+    for f in (tmp_path / "export").glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    assert (tmp_path / "export" / "tokenizer.json").is_file()
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"]) == (0, 1)
+    config = load_config([BASE, f"load_parameters_path={run}", "scan_layers=false"])
+    params, _ = manager.load_params(run, abstract_params(config), config)
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    tokens = TOKENS % 320
+    ours = np.asarray(Decoder(config).apply({"params": rounded}, tokens))
+    theirs = flax_logits(cfg, {k: v.astype(np.float32) for k, v in exported.items()}, tokens)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOL)
