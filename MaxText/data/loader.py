@@ -139,9 +139,10 @@ def _read_options(config: Any) -> _Options:
         train_split=str(attr("train_split")),
         eval_split=str(attr("eval_split")),
         tokenizer_path=str(attr("tokenizer_path") or ""),
-        tokenizer_type=str(attr("tokenizer_type")),
-        add_bos=bool(attr("add_bos")),
-        add_eos=bool(attr("add_eos")),
+        # Optional (defaults: MaxText's): configs made before these keys still work.
+        tokenizer_type=str(getattr(config, "tokenizer_type", "sentencepiece")),
+        add_bos=bool(getattr(config, "add_bos", True)),
+        add_eos=bool(getattr(config, "add_eos", True)),
         vocab_size=int(attr("vocab_size")),
         seq_len=int(attr("max_target_length")),
         global_batch_size=int(attr("global_batch_size")),
