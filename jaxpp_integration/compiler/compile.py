@@ -169,8 +169,8 @@ def _jit_task(prog: Program, mpmd_mesh, ins: Run, in_shardings):
 class TaskProgram:
     """One distinct task program of a compiled step: `fn` (a `jax.jit` function) applied to
     `args` (`jax.ShapeDtypeStruct`s with the input shardings it was compiled for) is the program
-    `compile_program` compiled. `name` is its task (`fwd_0`, `after_1`, ...), `rank` the first
-    group running it."""
+    `compile_program` compiled. `name` is its task (`fwd_0`, `after_loop_1_0`, ...), `rank` the
+    first group running it."""
 
     name: str
     rank: int
