@@ -118,6 +118,11 @@ TOOLS = {
         "[p0] config error: unknown config key 'not_a_key'",
     ),
     "data.prepare": (["--input", "{tmp}/missing", "--out", "{tmp}/out"], "data error: "),
+    "to_maxtext": (["configs/base.yml"], "config error: to_maxtext needs hf_model_path="),
+    "to_huggingface": (
+        ["configs/base.yml", "not_a_key=1"],
+        "config error: unknown config key 'not_a_key'",
+    ),
 }
 
 

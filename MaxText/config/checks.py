@@ -59,9 +59,9 @@ def validate_attention_and_profiler(v: dict[str, Any]) -> None:
 
 # MaxText's tokenizer_type values this trainer does not read, with the reason.
 UNSUPPORTED_TOKENIZER_TYPES = {
-    "huggingface": "only sentencepiece models are read (tokenizer_path=*.model)",
-    "tiktoken": "only sentencepiece models are read (tokenizer_path=*.model)",
+    "tiktoken": "read Llama 3's tokenizer.json with tokenizer_type=huggingface instead",
 }
+TOKENIZER_TYPES = ("sentencepiece", "huggingface")
 
 
 def validate_data(v: dict[str, Any]) -> None:
@@ -71,8 +71,15 @@ def validate_data(v: dict[str, Any]) -> None:
             f"tokenizer_type={v['tokenizer_type']} is not supported here: "
             f"{UNSUPPORTED_TOKENIZER_TYPES[v['tokenizer_type']]}"
         )
-    if v["tokenizer_type"] != "sentencepiece":
-        raise ConfigError(f"tokenizer_type={v['tokenizer_type']} is not one of sentencepiece")
+    if v["tokenizer_type"] not in TOKENIZER_TYPES:
+        raise ConfigError(
+            f"tokenizer_type={v['tokenizer_type']} is not one of {' | '.join(TOKENIZER_TYPES)}"
+        )
+    if v["tokenizer_type"] == "huggingface" and not v["tokenizer_path"]:
+        raise ConfigError(
+            "tokenizer_type=huggingface needs tokenizer_path= (a tokenizer.json file, or the "
+            "Hugging Face folder holding it)"
+        )
     if v["grain_worker_count"] < 0:
         raise ConfigError(f"grain_worker_count={v['grain_worker_count']}: must be >= 0")
     if v["dataset_type"] == "grain" and not v["grain_train_files"]:
@@ -91,4 +98,27 @@ def validate_data(v: dict[str, Any]) -> None:
         raise ConfigError(
             f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
             "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )
+
+
+# ------------------------------------------------------------------------------------- RoPE keys
+
+
+def validate_rope(v: dict[str, Any]) -> None:
+    """`rope_max_timescale` and the llama3.1 scaling keys (used only with rope_type=llama3.1)."""
+    if v["rope_max_timescale"] <= 1:
+        raise ConfigError(f"rope_max_timescale={v['rope_max_timescale']}: must be > 1")
+    if v["rope_type"] != "llama3.1":
+        return
+    if v["rope_scaling_factor"] < 1:
+        raise ConfigError(f"rope_scaling_factor={v['rope_scaling_factor']}: must be >= 1")
+    if not 0 < v["rope_low_freq_factor"] < v["rope_high_freq_factor"]:
+        raise ConfigError(
+            f"rope_low_freq_factor={v['rope_low_freq_factor']} and rope_high_freq_factor="
+            f"{v['rope_high_freq_factor']}: need 0 < low < high"
+        )
+    if v["rope_original_max_position_embeddings"] < 1:
+        raise ConfigError(
+            f"rope_original_max_position_embeddings={v['rope_original_max_position_embeddings']}"
+            ": must be >= 1"
         )

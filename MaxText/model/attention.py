@@ -62,6 +62,26 @@ def dot_product(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL=None):
     return ctx_BxLxKxGxD.reshape(b, length, h, d)
 
 
+def cached_dot_product(q_BxLxHxD, k_BxTxKxD, v_BxTxKxD, positions_BxL):
+    """Decoding against a KV cache of T slots (slot = position): query l of row b sees the
+    slots up to `positions_BxL[b, l]`; later slots (unwritten, or stale padding) are masked.
+    Scores in float32 as in `dot_product`."""
+    b, length, h, d = q_BxLxHxD.shape
+    t, k = k_BxTxKxD.shape[1], k_BxTxKxD.shape[2]
+    dtype = q_BxLxHxD.dtype
+    q_BxLxKxGxD = q_BxLxHxD.reshape(b, length, k, h // k, d) * jnp.asarray(d**-0.5, dtype)
+    scores_BxKxGxLxT = jnp.einsum(
+        "blkgd,btkd->bkglt", q_BxLxKxGxD, k_BxTxKxD, preferred_element_type=jnp.float32
+    )
+    visible_BxLxT = jnp.arange(t)[None, None, :] <= positions_BxL[:, :, None]
+    scores_BxKxGxLxT = jnp.where(
+        visible_BxLxT[:, None, None], scores_BxKxGxLxT, jnp.finfo(jnp.float32).min
+    )
+    probs = jax.nn.softmax(scores_BxKxGxLxT, axis=-1).astype(dtype)
+    ctx_BxLxKxGxD = jnp.einsum("bkglt,btkd->blkgd", probs, v_BxTxKxD)
+    return ctx_BxLxKxGxD.reshape(b, length, h, d)
+
+
 def _nn_dot_product_attention(implementation):
     """`jax.nn.dot_product_attention` with the causal flag and the segment mask (if any; never
     with cuDNN, see the module docstring)."""
