@@ -67,6 +67,21 @@ def wait_at_barrier(name: str, timeout_s: float) -> None:
     client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
 
 
+def kv_set(key: str, value: str) -> None:
+    """Stores `value` under `key` in `jax.distributed`'s key-value store (set once per key)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.key_value_set(key, value)
+
+
+def kv_get(key: str, timeout_s: float) -> str:
+    """The value under `key` in `jax.distributed`'s key-value store, waiting up to `timeout_s`
+    for another process to set it."""
+    from jax._src import distributed
+
+    return distributed.global_state.client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+
 def same_shard_layout(src, dst, shape) -> bool:
     """Whether `dst` cuts an array of `shape` into the same blocks, in the same device order, as
     `src` (the same spec on another group's devices): then a copy moves shard i to device i."""

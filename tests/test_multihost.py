@@ -1,7 +1,12 @@
-"""The engine under JAX's multi-controller runtime: 2 local processes, gloo collectives on CPU."""
+"""The engine under JAX's multi-controller runtime: 2 local processes, gloo collectives on CPU.
+
+What each process compiles and launches is counted in the worker (`multihost_worker.py` prints a
+COUNTS line) and asserted here exactly."""
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import socket
 import subprocess
@@ -43,16 +48,82 @@ def _launch(schedule: str, *extra: str):
     ]
 
 
+def _counts(out: str) -> dict:
+    (line,) = [x for x in out.splitlines() if x.startswith("COUNTS ")]
+    return json.loads(line[len("COUNTS ") :])
+
+
+# Per schedule and process: XLA compiles of `.compile()` (task programs + transfer programs),
+# task programs (a single process compiles both groups' programs: 8 for 1f1b, 12 interleaved;
+# before each process compiled only its own, each process compiled all 8 / 12), and the step's
+# cross-process transfers. Transfer programs here: one `move` per distinct batch signature (4 for
+# 1f1b, 5 interleaved, on both processes), a `pack` for the scalars a process sends, an `unpack`
+# for those it receives, and a receive buffer per distinct received layout (3 on process 0, 2
+# on process 1, for both schedules).
+COMPILES = {
+    "1f1b": [(13, 4), (12, 4)],
+    "interleaved": [(16, 6), (15, 6)],
+}
+TRANSFERS = {"1f1b": 15, "interleaved": 33}
+# The step's batches per process: (side, values, of which scalars) -> how many. Launches per
+# batch by design: one `move` program, plus the pack (sender) or unpack (receiver) when the
+# batch holds scalars. Before: one program per transfer plus per-device eager copies (2 per
+# transfer on the sender, 3 on the receiver with one device per group, host zeros put on the
+# receiving device every time).
+BATCHES = {
+    "1f1b": [
+        {("send", 1, 0): 4, ("receive", 2, 0): 4, ("receive", 1, 1): 1, ("send", 2, 2): 1},
+        {("receive", 1, 0): 4, ("send", 2, 0): 4, ("send", 1, 1): 1, ("receive", 2, 2): 1},
+    ],
+    "interleaved": [
+        {
+            ("send", 1, 0): 12,
+            ("receive", 1, 0): 8,
+            ("receive", 2, 0): 4,
+            ("receive", 2, 2): 1,
+            ("send", 3, 3): 1,
+        },
+        {
+            ("receive", 1, 0): 12,
+            ("send", 1, 0): 8,
+            ("send", 2, 0): 4,
+            ("send", 2, 2): 1,
+            ("receive", 3, 3): 1,
+        },
+    ],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_two_processes_equal_single_process_bitwise(schedule):
-    """Tied embedding + global-norm clipping, 3 steps; each process checks its own groups."""
+    """Tied embedding + global-norm clipping, 3 steps; each process checks its own groups
+    bitwise against `jax.jit` of the step on one device, compiles only its own groups' task
+    programs (exact counts), and moves the step's cross-process values in batches: one program
+    per batch (+ the scalar pack/unpack), no XLA compile and no host array put on a device
+    while doing it."""
     procs = _launch(schedule)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     assert "OK" in outs[0] and "groups here: [0]" in outs[0]
     assert "OK" in outs[1] and "groups here: [1]" in outs[1]
+    for pid, out in enumerate(outs):
+        c = _counts(out)
+        xla, tasks = COMPILES[schedule][pid]
+        assert c["task_groups"] == [pid] and c["task_devices_local"], c
+        assert (c["task_compiles"], c["task_loads"]) == (tasks, 0), c
+        assert c["xla_compiles"] == xla, c
+        program = [b for b in c["batches"] if b["of"] == "program"]
+        got = collections.Counter((b["side"], b["values"], b["scalars"]) for b in program)
+        assert got == BATCHES[schedule][pid], got
+        assert sum(b["values"] for b in program) == c["transfers"] == TRANSFERS[schedule]
+        for b in c["batches"]:
+            assert b["launches"] == 1 + (b["scalars"] > 0), b
+            assert b["compiles"] == 0 and b["host_puts"] == 0, b
+        # the updated tied embedding is read by both groups next step: one batch of one
+        inputs = [b for b in c["batches"] if b["of"] == "inputs"]
+        assert [b["side"] for b in inputs] == [["send", "receive"][pid]], inputs
 
 
 @pytest.mark.slow
