@@ -2,16 +2,17 @@
 
 Usage: python multihost_worker.py PROCESS_ID PORT SCHEDULE [die | stop]
 Prints 'OK <n>' after checking n arrays bitwise against a single-process reference, and before it
-'COUNTS <json>': the XLA compiles `.compile()` ran here (counted through `jax.monitoring`, the
-persistent compilation cache off), the engine's task compiles, the groups of the compiled task
-programs, and for every batch of cross-process transfers run in a step: which side this process
-was, how many values and scalars it moved, the programs it launched (`jax.stages.Compiled`
-calls) and the XLA compiles it triggered (none expected: everything is compiled before the
-first step). The batches run under `jax.transfer_guard_host_to_device("disallow_explicit")`,
-with `jax.device_put` of host data counted, so a host array placed on a device there fails or
-is counted. With `die`,
-process 1 kills itself (SIGKILL) after compiling, to test that its peer exits instead of hanging.
-With `stop`, process 1 stops itself (SIGSTOP) after compiling and the step runs with
+'COUNTS <json>' (with a fresh persistent compilation cache in $MULTIHOST_CACHE_DIR):
+- the XLA compiles `.compile()` ran here (`jax.monitoring`, cache reads not counted), the
+  engine's task compiles, the groups of the compiled task programs and whether their devices
+  are all this process's;
+- for every batch of cross-process transfers run in one step: which side this process was, how
+  many values and scalars it moved, the programs it launched (`jax.stages.Compiled` calls), the
+  XLA compiles it triggered and the host arrays it put on a device (`jax.device_put` counted;
+  the batch runs under `jax.transfer_guard_host_to_device("disallow_explicit")`);
+- the XLA compiles and persistent-cache reads of compiling the step again.
+With `die`, process 1 kills itself (SIGKILL) after compiling, to test that its peer exits instead
+of hanging. With `stop`, process 1 stops itself (SIGSTOP) after compiling and the step runs with
 `pipeline_hang_timeout_s=HANG_TIMEOUT_S` (heartbeats allowed far longer), to test the watchdog.
 """
 
@@ -27,7 +28,13 @@ HANG_TIMEOUT_S = 5.0
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 1)
 heartbeat = 120 if mode == "stop" else 10
-jax.config.update("jax_enable_compilation_cache", False)  # compiles are counted
+if mode == "":  # compiles are counted: a fresh persistent cache shared by the two processes
+    import os
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["MULTIHOST_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+else:
+    jax.config.update("jax_enable_compilation_cache", False)
 jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, heartbeat_timeout_seconds=heartbeat)
 
 import contextlib  # noqa: E402
@@ -48,12 +55,21 @@ batches: list[dict] = []
 program_batches: set = set()  # ids of the step program's batches (the others move step inputs)
 
 
+cache_hits = [0]
+
+
 def _on_duration(event, duration, **_):
     if event == BACKEND_COMPILE:
         xla_compiles[0] += 1
 
 
+def _on_event(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+        cache_hits[0] += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
 _compiled_call = jax.stages.Compiled.__call__
 _device_put = jax.device_put
 _batch_call = transfer.CrossBatch.__call__
@@ -112,7 +128,7 @@ opt = clipping_sgd()
 step = make_step(loss_fn, opt, schedule)
 opt_state = opt.init(params)
 jax.block_until_ready(opt_state)
-xla_compiles[0] = 0
+xla_compiles[0] = cache_hits[0] = 0
 compiled = jaxpp.mpmd_jit_with_loop(
     step,
     mpmd_mesh=mpmd_mesh,
@@ -135,7 +151,7 @@ if mode == "die" and pid == 1:
 
     print("process 1: killing myself", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
-compile_xla = xla_compiles[0]
+compile_xla = xla_compiles[0] - cache_hits[0]  # the event also marks persistent-cache reads
 program_batches.update(id(b) for _, b in compiled.program.cross_batches.values())
 ref_step = jax.jit(step)
 r = (params, opt_state)
@@ -160,6 +176,11 @@ counts = {
     "transfers": sum(isinstance(i, Transfer) for i in compiled.program.instrs),
     "batches": batches,
 }
+# compiling again reads every task program from the persistent cache, on both processes (each
+# process writes the programs only it compiles); transfer programs are kept in memory
+xla_compiles[0] = cache_hits[0] = 0
+again = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh).compile(params, opt_state, batch)
+counts["again"] = {"real_compiles": xla_compiles[0] - cache_hits[0], "cache_hits": cache_hits[0]}
 print("COUNTS " + json.dumps(counts), flush=True)
 checked = 0
 for ref, got in zip(jax.tree.leaves(r_out), jax.tree.leaves(p_out), strict=True):

@@ -25,9 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(schedule: str, *extra: str):
+def _launch(schedule: str, *extra: str, cache_dir: Path | None = None):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=f"{HERE.parent}{os.pathsep}{HERE}")
+    if cache_dir is not None:
+        env["MULTIHOST_CACHE_DIR"] = str(cache_dir)
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     return [
         subprocess.Popen(
@@ -96,13 +98,13 @@ BATCHES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_two_processes_equal_single_process_bitwise(schedule):
+def test_two_processes_equal_single_process_bitwise(schedule, tmp_path):
     """Tied embedding + global-norm clipping, 3 steps; each process checks its own groups
-    bitwise against `jax.jit` of the step on one device, compiles only its own groups' task
-    programs (exact counts), and moves the step's cross-process values in batches: one program
-    per batch (+ the scalar pack/unpack), no XLA compile and no host array put on a device
-    while doing it."""
-    procs = _launch(schedule)
+    bitwise against `jax.jit` of the step on one device. Each process compiles only its own
+    groups' task programs (exact counts) and finds them in the persistent cache when compiling
+    again; it moves the step's cross-process values in batches: one program per batch (+ the
+    scalar pack/unpack), no XLA compile and no host array put on a device while doing it."""
+    procs = _launch(schedule, cache_dir=tmp_path)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -124,6 +126,9 @@ def test_two_processes_equal_single_process_bitwise(schedule):
         # the updated tied embedding is read by both groups next step: one batch of one
         inputs = [b for b in c["batches"] if b["of"] == "inputs"]
         assert [b["side"] for b in inputs] == [["send", "receive"][pid]], inputs
+        # compiled again: every task program is read from the persistent cache, which each
+        # process wrote its own programs to (JAX itself writes from process 0 only)
+        assert c["again"] == {"real_compiles": 0, "cache_hits": tasks}, c["again"]
 
 
 @pytest.mark.slow

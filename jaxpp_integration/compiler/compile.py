@@ -32,6 +32,7 @@ when the cache is warm; the other programs are cache reads).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -46,6 +47,7 @@ from jaxpp_integration.frontend.treduce import microbatch
 from jaxpp_integration.jax_compat import (
     load_compiled_on,
     persistent_cache_reads,
+    persistent_cache_writes_here,
     without_persistent_cache,
 )
 
@@ -381,32 +383,36 @@ def compile_program(
         return exe
 
     jobs = {}
+    # several processes: programs are compiled only here, so this process writes them to JAX's
+    # persistent compilation cache itself (JAX writes from process 0 only)
+    writes = persistent_cache_writes_here() if exchange is not None else contextlib.nullcontext()
     try:
-        for idx, ins in enumerate(prog.instrs):
-            if isinstance(ins, Transfer):
+        with writes:
+            for idx, ins in enumerate(prog.instrs):
+                if isinstance(ins, Transfer):
 
-                def moved(src=ins.src, rank=ins.dst_rank):
-                    return mpmd_mesh.sharding(rank, _spec_of(resolve(src)))
+                    def moved(src=ins.src, rank=ins.dst_rank):
+                        return mpmd_mesh.sharding(rank, _spec_of(resolve(src)))
 
-                here = ins.src_rank in local or ins.dst_rank in local
-                slot_sharding[ins.dst] = moved() if pool is None and here else moved
-            elif isinstance(ins, Run) and ins.code.rank not in local:
-                specs = _remote_outputs(exchange, idx, mpmd_mesh.unstack[ins.code.rank])
-                for j, s in enumerate(ins.outs):
-                    slot_sharding[s] = _Remote(specs, j)
-            elif isinstance(ins, Run):
-                if pool is None:
-                    job = Future()
-                    job.set_result(compile_and_share(ins, idx))
-                else:
-                    job = pool.submit(compile_and_share, ins, idx)
-                jobs[idx] = job
-                for j, s in enumerate(ins.outs):
-                    slot_sharding[s] = _Pending(job, j)
-            elif isinstance(ins, Fill):
-                spec = prog.slot_spec.get(ins.slot, PartitionSpec())
-                slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, spec)
-        executables = {idx: job.result() for idx, job in jobs.items()}
+                    here = ins.src_rank in local or ins.dst_rank in local
+                    slot_sharding[ins.dst] = moved() if pool is None and here else moved
+                elif isinstance(ins, Run) and ins.code.rank not in local:
+                    specs = _remote_outputs(exchange, idx, mpmd_mesh.unstack[ins.code.rank])
+                    for j, s in enumerate(ins.outs):
+                        slot_sharding[s] = _Remote(specs, j)
+                elif isinstance(ins, Run):
+                    if pool is None:
+                        job = Future()
+                        job.set_result(compile_and_share(ins, idx))
+                    else:
+                        job = pool.submit(compile_and_share, ins, idx)
+                    jobs[idx] = job
+                    for j, s in enumerate(ins.outs):
+                        slot_sharding[s] = _Pending(job, j)
+                elif isinstance(ins, Fill):
+                    spec = prog.slot_spec.get(ins.slot, PartitionSpec())
+                    slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, spec)
+            executables = {idx: job.result() for idx, job in jobs.items()}
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
