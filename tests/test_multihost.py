@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from small_model import SMALL_MODEL
 
 HERE = Path(__file__).parent
 
@@ -145,3 +146,58 @@ def test_peer_death_makes_the_other_exit():
     assert "another task died" in out0 or "distributed service detected fatal errors" in out0, out0[
         -2000:
     ]
+
+
+def test_trainer_transfers_go_in_batches_and_scalars_as_one_vector(tmp_path):
+    """The trainer's default step (scanned layers, AdamW after a global-norm clip) at pp=2 with
+    its two groups on two processes: the program's 55 cross-process transfers are cut into 11
+    batches, and the 42 per-leaf scalar partials the optimizer phase exchanges (22 from group 1,
+    20 from group 0) into one batch per direction, each moved as one float32 vector. Read off
+    the compiled program in one process (which transfers cross depends only on the groups'
+    owners); `test_two_processes_equal_single_process_bitwise` runs batches for real."""
+    from jaxpp_integration.compiler.program import Transfer
+    from jaxpp_integration.runtime.transfer import cross_process_runs, plan_cross_process
+    from MaxText import sharding
+    from MaxText.cluster import devices
+    from MaxText.config import CONFIGS_DIR, load_config
+    from MaxText.train_step import build_trainer
+
+    model = [a for a in SMALL_MODEL if not a.startswith("scan_layers")]  # the default: scanned
+    config = load_config(
+        [
+            str(CONFIGS_DIR / "base.yml"),
+            *model,
+            "pipeline_parallelism=2",
+            f"base_output_directory={tmp_path}",
+        ]
+    )
+    assert config.scan_layers and config.num_pipeline_microbatches == 4
+    step = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    ).train_step
+    prog = step.program
+    runs = cross_process_runs(prog, owners=[0, 1])
+    moved = [t for _, batch in runs for t in batch]
+    assert moved == [i for i in prog.instrs if isinstance(i, Transfer)] and len(moved) == 55
+    shape = collections.Counter(
+        (b[0].src_rank, b[0].dst_rank, len(b), sum(not prog.slot_aval[t.dst].shape for t in b))
+        for _, b in runs
+    )
+    # (from, to, values, of which scalars) -> batches: per microbatch the tokens and hidden state
+    # forward, the cotangent backward; then a scalar, then each group's per-leaf partials
+    assert shape == {
+        (0, 1, 2, 0): 4,
+        (1, 0, 1, 0): 4,
+        (1, 0, 1, 1): 1,
+        (1, 0, 22, 22): 1,
+        (0, 1, 20, 20): 1,
+    }
+    vectors = []
+    for sender in (0, 1):  # the sending side of every batch of one group, as its process plans it
+        planned = plan_cross_process(prog, step.slot_sharding, [0, 1], {sender}, "stage")
+        for transfers, batch in planned.values():
+            if transfers[0].src_rank != sender or len(transfers) < 20:
+                continue
+            (vector,) = batch.pair.args_info[0]  # one input: the packed scalars, both halves
+            vectors.append((sender, vector.shape, str(vector.dtype)))
+    assert vectors == [(0, (40,), "float32"), (1, (44,), "float32")]

@@ -99,10 +99,13 @@ class Link:
     dtype: np.dtype
 
 
-def plan_cross_process(prog, slot_sharding, owners, local_ranks, axis: str) -> dict:
-    """{index of a batch's first transfer: (its transfers, `CrossBatch`)} for the batches this
-    process takes part in. `owners[r]` is the process holding group r."""
-    runs: list[tuple[int, list]] = []
+def cross_process_runs(prog, owners) -> list[tuple[int, list]]:
+    """The batches of `prog`'s transfers between groups of different processes, as (index of
+    the first transfer, the transfers), in program order: consecutive transfers between one
+    (source group, target group) pair with only deletes between them, never a value relayed
+    within a batch. `owners[r]` is the process holding group r; the rule reads nothing else, so
+    every process cuts the same batches."""
+    runs: list[tuple[int, list | None]] = []
     for idx, ins in enumerate(prog.instrs):
         if isinstance(ins, Delete):
             continue  # frees a slot no later transfer of the batch reads
@@ -117,11 +120,16 @@ def plan_cross_process(prog, slot_sharding, owners, local_ranks, axis: str) -> d
             runs.append((idx, [ins]))
         else:
             runs.append((idx, None))  # anything else ends a batch
+    return [(idx, transfers) for idx, transfers in runs if transfers is not None]
+
+
+def plan_cross_process(prog, slot_sharding, owners, local_ranks, axis: str) -> dict:
+    """{index of a batch's first transfer: (its transfers, `CrossBatch`)} for the batches
+    (`cross_process_runs`) this process takes part in."""
+    runs = cross_process_runs(prog, owners)
     cache: dict = {}  # receive buffers, shared by the batches of this program
     out = {}
     for idx, transfers in runs:
-        if transfers is None:
-            continue
         sending = transfers[0].src_rank in local_ranks
         if not sending and transfers[0].dst_rank not in local_ranks:
             continue
