@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.checkpoint import manager as checkpointing
-from MaxText.cluster import devices
+from MaxText.cluster import devices, xla_flags
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.model import Decoder
 
@@ -174,6 +174,7 @@ def main(argv: Sequence[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
         config, source = generation_config(argv)
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         devices.setup(**config.device_args())
         from MaxText.data import make_data
 

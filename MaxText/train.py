@@ -29,7 +29,7 @@ import numpy as np
 import jaxpp_integration as jaxpp
 from MaxText import memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
-from MaxText.cluster import devices
+from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
@@ -201,7 +201,13 @@ def main(argv: Sequence[str]) -> int:
     setup_logging()
     try:
         config = load_config(argv)
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         devs = devices.setup(**config.device_args())
+        gpu_host.check_backend(
+            devs[0].platform,
+            hardware=config.hardware,
+            allow_cpu_fallback=config.allow_cpu_fallback,
+        )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ PROFILERS = ("", "xplane")
 
 def validate_attention_and_profiler(v: dict[str, Any]) -> None:
     """`attention`, `attention_block_size`, `profiler`, `profiler_steps`,
-    `skip_first_n_steps_for_profiler` (whether cudnn_flash has a GPU: `devices.setup`)."""
+    `skip_first_n_steps_for_profiler`; cudnn_flash's dtype and packed rows (whether it has a GPU:
+    `devices.setup`)."""
     if v["attention"] not in ATTENTION_KERNELS:
         match = difflib.get_close_matches(v["attention"], ATTENTION_KERNELS, n=1, cutoff=0.5)
         hint = f"; did you mean '{match[0]}'?" if match else ""
@@ -28,6 +29,17 @@ def validate_attention_and_profiler(v: dict[str, Any]) -> None:
         )
     if v["attention_block_size"] < 1:
         raise ConfigError(f"attention_block_size={v['attention_block_size']}: must be >= 1")
+    if v["attention"] == "cudnn_flash" and v["dtype"] == "float32":
+        raise ConfigError(
+            "attention=cudnn_flash needs dtype=bfloat16 or float16 (cuDNN flash attention has no "
+            "float32 kernel); set dtype=bfloat16, or keep float32 with attention=chunked"
+        )
+    if v["attention"] == "cudnn_flash" and v["dataset_type"] == "grain" and v["packing"]:
+        raise ConfigError(
+            "attention=cudnn_flash cannot keep packed documents apart (JAX's public API has no "
+            "segment ids for it; a [L, L] mask would become a dense bias); use attention=chunked "
+            "with packing, or packing=false"
+        )
     if v["profiler"] == "nsys":
         raise ConfigError(
             "profiler=nsys is not supported here: run train.py under `nsys profile` yourself, "

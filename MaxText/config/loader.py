@@ -170,6 +170,7 @@ class Config:
     global_parameter_scale: int
     override_model_config: bool
     hardware: str
+    allow_cpu_fallback: bool  # train on CPU although nvidia-smi lists GPUs (cluster/gpu_host.py)
     dcn_data_parallelism: int
     dcn_fsdp_parallelism: int
     dcn_tensor_parallelism: int

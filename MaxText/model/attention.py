@@ -2,8 +2,12 @@
 
 `attention=` picks one (`kernel_for`):
 - `dot_product`: the einsum reference; full [L, L] float32 scores per head.
-- `autoselected`: `jax.nn.dot_product_attention` with JAX's choice of implementation (XLA today).
-- `cudnn_flash`: the same with `implementation="cudnn"` (GPU only; `devices.setup` checks).
+- `autoselected`: `jax.nn.dot_product_attention` with `implementation=None`, which JAX resolves to
+  its XLA implementation (dense scores, like `dot_product`); not cuDNN.
+- `cudnn_flash`: the same with `implementation="cudnn"`: cuDNN's fused flash attention (GPU only,
+  `devices.setup` checks; bfloat16/float16 only, the config checks). Packed rows are refused:
+  `jax.nn.dot_product_attention` takes per-row sequence lengths but no segment ids, and a
+  segment mask would reach cuDNN as a dense [B, 1, L, L] bias (O(L^2) memory, not flash).
 - `chunked`: blockwise attention in pure JAX (online softmax over blocks of
   `attention_block_size` keys, custom VJP recomputing each block): O(L x block) memory forward
   and backward, on any backend.
@@ -59,10 +63,16 @@ def dot_product(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL=None):
 
 
 def _nn_dot_product_attention(implementation):
-    """`jax.nn.dot_product_attention` with the causal flag and the segment mask (if any)."""
+    """`jax.nn.dot_product_attention` with the causal flag and the segment mask (if any; never
+    with cuDNN, see the module docstring)."""
 
     def kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL=None):
         mask = None
+        if segment_ids_BxL is not None and implementation == "cudnn":
+            raise ValueError(
+                "attention=cudnn_flash does not take packed rows (segment ids): JAX would pass "
+                "their mask to cuDNN as a dense [L, L] bias; use attention=chunked"
+            )
         if segment_ids_BxL is not None:
             same_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
             mask = same_BxLxL[:, None]  # [B, 1, L, M]: every head alike

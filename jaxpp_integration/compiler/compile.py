@@ -24,6 +24,10 @@ a single process compiles, so results stay bitwise. No deadlock: programs are co
 program order and a program only reads values made earlier in that order, so the earliest
 program not yet compiled on any process never waits.
 
+`task_programs` gives each distinct program back as the `jax.jit` function and abstract arguments it
+was compiled from, to lower it again elsewhere (e.g. for CUDA on a host without GPUs:
+`tp.fn.trace(*tp.args).lower(lowering_platforms=("cuda",))`).
+
 With JAX's persistent compilation cache on (`jax_cache_dir`), a program may come from the cache;
 XLA:CPU cannot serialize an executable it deserialized, so before loading such a program onto
 other groups it is compiled once more without the cache (one extra compile per shared program
@@ -165,6 +169,51 @@ def _sds(aval, sharding):
     )
 
 
+def _jit_task(prog: Program, mpmd_mesh, ins: Run, in_shardings):
+    """(the `jax.jit` of `ins`'s program on its group's mesh, its abstract arguments)."""
+    code = ins.code
+    group = mpmd_mesh.unstack[code.rank]
+    eqns = rebind_meshes(code.eqns, (mpmd_mesh.lowering_mesh(), mpmd_mesh.jax_mesh), group)
+    fn = task_function(code, eqns)
+    if code.out_specs:
+        fn = _constrained(fn, code.out_specs, group)
+    avals = tuple(_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_shardings))
+    return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True), avals
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskProgram:
+    """One distinct task program of a compiled step: `fn` (a `jax.jit` function) applied to
+    `args` (`jax.ShapeDtypeStruct`s with the input shardings it was compiled for) is the program
+    `compile_program` compiled. `name` is its task (`fwd_0`, `after_loop_1_0`, ...), `rank` the
+    first group running it."""
+
+    name: str
+    rank: int
+    kind: str
+    fn: object
+    args: tuple
+
+
+def task_programs(prog: Program, mpmd_mesh, slot_sharding: dict) -> list[TaskProgram]:
+    """Every distinct program of `prog` once (distinct as `compile_program` counts them), in
+    program order. `slot_sharding` is the shardings `compile_program` returned (a compiled
+    step's `.slot_sharding`)."""
+    seen, out = set(), []
+    for ins in prog.instrs:
+        if not isinstance(ins, Run):
+            continue
+        in_sh = tuple(slot_sharding[s] for s in ins.ins)
+        group = mpmd_mesh.unstack[ins.code.rank]
+        key = (_key(ins.code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
+        if key in seen:
+            continue
+        seen.add(key)
+        fn, args = _jit_task(prog, mpmd_mesh, ins, in_sh)
+        out.append(TaskProgram(ins.code.name, ins.code.rank, ins.code.kind, fn, args))
+    return out
+
+
 @dataclasses.dataclass
 class CompileStats:
     """How `compile_program` obtained the executables of one program.
@@ -263,8 +312,6 @@ def compile_program(
     `compile_threads > 1` compiles independent programs concurrently on that many threads (a
     task waits only for the compiles whose output shardings it reads); this pays on hosts with
     many free cores (GPU hosts), not on a small loaded CPU box."""
-    lowering = mpmd_mesh.lowering_mesh()
-    src_meshes = (lowering, mpmd_mesh.jax_mesh)
     stats = CompileStats()
     lock = threading.Lock()
     in_flight: dict = {}  # (program key, rank) -> Future of the executable
@@ -296,12 +343,8 @@ def compile_program(
             return fn_cache[id(code)]
 
     def lower(code, ins, in_sh):
-        eqns = rebind_meshes(code.eqns, src_meshes, mpmd_mesh.unstack[code.rank])
-        avals = [_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_sh)]
-        fn = task_function(code, eqns)
-        if code.out_specs:
-            fn = _constrained(fn, code.out_specs, mpmd_mesh.unstack[code.rank])
-        return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals)
+        jitted, avals = _jit_task(prog, mpmd_mesh, ins, in_sh)
+        return jitted.lower(*avals)
 
     def compile_one(code, ins, in_sh):
         t0 = time.perf_counter()
