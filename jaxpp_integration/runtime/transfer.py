@@ -10,7 +10,8 @@ Design (what one transfer costs):
   processes — only deletes between them, no task — are one *batch*, moved by one compiled program
   (`plan_cross_process`; the rule reads the program and which process owns each group, so every
   process cuts the same batches). A stage sending its hidden state and its tokens is one batch;
-  so are the ~40 per-leaf gradient-norm partials the optimizer phase sends to every group.
+  so are the per-leaf norm partials a group sends the others in the optimizer phase (42 in all
+  in the trainer's default step at pp=2).
 - **The pair program.** The two groups' meshes are stacked along the pipeline axis into a
   2-group mesh. A value of shape (n0, n1, ...) with spec (e0, e1, ...) inside a group is half of
   a (2·n0, n1, ...) array split over (pipeline axis, *e0) on dim 0: every device's block is
@@ -53,11 +54,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpp_integration.compiler.program import Delete, Transfer
 from jaxpp_integration.jax_compat import kv_get, kv_set, shard_map
-
-
-def is_local(sharding) -> bool:
-    return all(d.process_index == jax.process_index() for d in sharding.device_set)
-
 
 # ----------------------------------------------------------------------------- layouts exchange
 
@@ -245,12 +241,7 @@ def _pair_program(src_mesh: Mesh, dst_mesh: Mesh, axis: str, entries: tuple):
     def move(*blocks):
         return tuple(jax.lax.ppermute(b, axis, [(0, 1)]) for b in blocks)
 
-    body = shard_map(
-        move,
-        mesh=mesh,
-        in_specs=specs,
-        out_specs=specs,
-    )
+    body = shard_map(move, mesh=mesh, in_specs=specs, out_specs=specs)
     shardings = [NamedSharding(mesh, s) for s in specs]
     avals = [
         jax.ShapeDtypeStruct((2 * shape[0], *shape[1:]), dtype, sharding=sh)
