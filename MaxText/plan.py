@@ -87,11 +87,12 @@ def main(argv=None) -> int:
     from MaxText.metrics import setup_logging
 
     setup_logging()
-    from MaxText.cluster import devices
+    from MaxText.cluster import devices, xla_flags
     from MaxText.config import ConfigError, load_config
 
     try:
         config = load_config(rest)
+        xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
         devices.setup(**config.device_args())
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -29,7 +29,7 @@ import numpy as np
 import jaxpp_integration as jaxpp
 from MaxText import memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
-from MaxText.cluster import devices
+from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
@@ -86,6 +86,13 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         )
         + f"; step compiled in {trainer.compile_seconds:.1f} s"
     )
+    stats = getattr(trainer.train_step, "compile_stats", None)
+    if stats is not None:  # pipelined: each process compiles only its own groups' programs
+        logger.info(
+            f"process {jax.process_index()}: task programs of groups "
+            f"{sorted(trainer.train_step.local_ranks)} compiled here: {stats.compiles} XLA "
+            f"compiles, {stats.loads} loaded onto another group"
+        )
     local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
     memory.log_memory(logger.info, trainer.train_step, local)
     if start >= config.steps:
@@ -194,7 +201,13 @@ def main(argv: Sequence[str]) -> int:
     setup_logging()
     try:
         config = load_config(argv)
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         devs = devices.setup(**config.device_args())
+        gpu_host.check_backend(
+            devs[0].platform,
+            hardware=config.hardware,
+            allow_cpu_fallback=config.allow_cpu_fallback,
+        )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -209,7 +222,11 @@ def main(argv: Sequence[str]) -> int:
     from MaxText.planning.auto import resolve_auto
 
     with compilation_cache(config.jax_cache_dir):
-        config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat
+        try:
+            config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         mesh = sharding.make_mesh(config, devs)
         trainer = build_trainer(config, mesh)
         try:

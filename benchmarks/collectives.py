@@ -38,7 +38,6 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 OUT = REPO / "benchmarks" / "results" / "collectives.json"
 
 MODES = ("step", "microbatch", "auto")
