@@ -23,7 +23,7 @@ import sys
 
 from MaxText.cluster.compile_cache import compilation_cache
 from MaxText.planning.auto import describe_remat, make_plan, resolve_schedule
-from MaxText.planning.cost_model import Plan, byte_unit, format_bytes
+from MaxText.planning.cost_model import Plan, byte_unit, describe_gradients, format_bytes
 from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
 
 
@@ -52,6 +52,8 @@ def format_plan(plan: Plan) -> str:
         f"predicted step {p['step_time_s']:.3f} s, bubble {100 * p['bubble']:.1f}%, "
         f"MFU {100 * p['mfu']:.1f}%"
     )
+    if plan.gradients is not None:
+        rows.append(describe_gradients(plan.gradients))
     if plan.remat is not None:
         rows.append(describe_remat(plan.remat))
     elif plan.stage_remat and len(set(plan.stage_remat)) > 1:

@@ -131,6 +131,16 @@ def test_command_exit_codes_and_json(tmp_path, capsys):
         "num_microbatches",
         "groups",
         "predicted",
+        "gradients",
+    }
+    assert set(data["gradients"]) == {
+        "mode",
+        "deferred_axes",
+        "scattered_axes",
+        "grad_bytes",
+        "reductions",
+        "in_loop_tasks",
+        "reductions_per_group",
     }
     assert data["fits"] is True and data["hardware"] == "h100"
     assert set(data["predicted"]) == {"step_time_s", "bubble", "mfu"}

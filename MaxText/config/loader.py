@@ -54,7 +54,7 @@ AUTO_KEYS = ("num_pipeline_microbatches",)
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline_schedule": (*PIPELINE_SCHEDULES, "auto"),
-    "gradient_reduction": ("step", "microbatch"),
+    "gradient_reduction": ("auto", "step", "microbatch"),
     "decoder_block": ("llama", "gpt"),
     "hardware": ("auto", "cpu", "gpu", "gpu_multiprocess"),
     "opt_type": ("adamw", "adam", "sgd", "adafactor"),
