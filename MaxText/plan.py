@@ -89,8 +89,7 @@ def main(argv=None) -> int:
     from MaxText.config import ConfigError, load_config
 
     try:
-        config = load_config(rest)
-        devices.setup(**config.device_args())
+        config, _ = devices.start(load_config(rest))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -105,7 +104,7 @@ def main(argv=None) -> int:
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
     with compilation_cache(config.jax_cache_dir):
         try:
-            config, _, base = resolve_schedule(rest, config, hardware)
+            config, base = resolve_schedule(config, hardware)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

@@ -30,7 +30,8 @@ import jaxpp_integration as jaxpp
 from MaxText import memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
 from MaxText.cluster import devices
-from MaxText.config import Config, ConfigError, load_config
+from MaxText.config import Config, load_config
+from MaxText.errors import UserError
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
 from MaxText.planning import flops
@@ -194,9 +195,9 @@ def main(argv: Sequence[str]) -> int:
     setup_logging()
     try:
         config = load_config(argv)
-        devs = devices.setup(**config.device_args())
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
+    except UserError as e:
+        print(f"{e.prefix}: {e}", file=sys.stderr)
         return 2
     from MaxText.data import make_data
 
@@ -209,7 +210,7 @@ def main(argv: Sequence[str]) -> int:
     from MaxText.planning.auto import resolve_auto
 
     with compilation_cache(config.jax_cache_dir):
-        config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat
+        config = resolve_auto(config)  # "auto" schedule, microbatches, split, remat
         mesh = sharding.make_mesh(config, devs)
         trainer = build_trainer(config, mesh)
         try:
@@ -217,8 +218,8 @@ def main(argv: Sequence[str]) -> int:
         except TrainingDivergedError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        except ConfigError as e:  # e.g. a checkpoint of another model or seed
-            print(f"config error: {e}", file=sys.stderr)
+        except UserError as e:  # e.g. a checkpoint of another model or seed, or unreadable
+            print(f"{e.prefix}: {e}", file=sys.stderr)
             return 2
     if last:
         summary = f"done: {config.steps} steps, loss {last['loss']:.4f}"

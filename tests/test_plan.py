@@ -166,7 +166,7 @@ def test_trainer_resolves_auto_schedule_microbatches_and_split(caplog):
     ]
     config = _config(*argv[1:])
     caplog.set_level("INFO", logger="MaxText")
-    got = plan_auto.resolve_auto(argv, config, cpu_hardware(config.num_devices))
+    got = plan_auto.resolve_auto(config, cpu_hardware(config.num_devices))
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("auto schedule: ") for line in lines), lines
     assert any(line.startswith("runner-up: ") for line in lines), lines

@@ -133,7 +133,7 @@ def test_device_memory_in_use_counts_the_initialised_state(spmd_run):
 
 
 def test_profiler_keys_validated(tmp_path):
-    with pytest.raises(ConfigError, match="profiler=nsys is not supported here"):
+    with pytest.raises(ConfigError, match="not supported here: profiler=nsys: run train.py under"):
         load_config([str(CONFIGS_DIR / "base.yml"), "profiler=nsys"])
     with pytest.raises(ConfigError, match="profiler_steps=0: must be >= 1"):
         load_config([str(CONFIGS_DIR / "base.yml"), "profiler=xplane", "profiler_steps=0"])

@@ -9,7 +9,6 @@ per-layer parameters. Reference for checkpoints: the state that was saved.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -292,7 +291,8 @@ def _trainer(base, *overrides):
 def _checkpoints(config, trainer, run_dir):
     from MaxText.checkpoint.manager import Checkpoints
 
-    config = dataclasses.replace(config, enable_checkpointing=True, output_dir=str(run_dir))
+    run = dict(base_output_directory=str(run_dir.parent), run_name=run_dir.name)
+    config = config.replace(enable_checkpointing=True, **run)
     return Checkpoints(config, trainer)
 
 
