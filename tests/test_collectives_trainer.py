@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 from test_train import make_batches
 
 from jaxpp_integration.tools.collectives import task_collectives
@@ -24,7 +24,7 @@ from MaxText.train_step import build_trainer
 
 def _trainer(tmp_path, m, mode, *extra):
     config = load_config(
-        [
+        merged(
             str(CONFIGS_DIR / "base.yml"),
             *SMALL_MODEL,
             "global_batch_size=16",
@@ -37,7 +37,7 @@ def _trainer(tmp_path, m, mode, *extra):
             "enable_progress_bar=false",
             "enable_tensorboard=false",
             f"base_output_directory={tmp_path}",
-        ]
+        )
     )
     return config, build_trainer(
         config, sharding.make_mesh(config, devices.setup(**config.device_args()))

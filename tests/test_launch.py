@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +104,7 @@ def _srun(args: list[str], num_processes: int) -> str:
 
 
 def _train(out: Path, run: str, processes: int, *overrides: str, srun: bool = False) -> str:
-    args = [*SMALL, f"base_output_directory={out}", f"run_name={run}", *overrides]
+    args = merged(*SMALL, f"base_output_directory={out}", f"run_name={run}", *overrides)
     if srun:
         return _srun(args, processes)
     if processes == 1:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import plan
 from MaxText.cluster import devices
@@ -26,7 +26,7 @@ BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
 
 
 def _config(*overrides):
-    config = load_config([*BASE, *overrides])
+    config = load_config(merged(*BASE, *overrides))
     devices.setup(**config.device_args())
     return config
 

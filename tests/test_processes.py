@@ -197,3 +197,57 @@ def test_too_few_gpus_per_process_says_the_rule(monkeypatch):
         "srun --ntasks-per-node=1 or mpirun --npernode 1, and do not give each process one GPU "
         "(CUDA_VISIBLE_DEVICES, JAX_LOCAL_DEVICE_IDS)"
     )
+
+
+def _script_argv(tmp_path, script, launcher, env):
+    """The command line `script` hands to `launcher` (a fake on PATH that records it)."""
+    import subprocess
+
+    fake = tmp_path / launcher
+    fake.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    fake.chmod(0o755)
+    record = tmp_path / "argv.txt"
+    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+    run_env = {**env, "PATH": path, "RECORD": str(record), "OUTPUT_DIR": str(tmp_path)}
+    root = CONFIGS_DIR.parent
+    subprocess.run(["bash", str(root / "scripts" / script)], cwd=root, env=run_env, check=True)
+    return record.read_text().splitlines()
+
+
+@pytest.mark.parametrize(
+    "script, launcher, env, launcher_env",
+    [
+        (
+            "slurm_train.sbatch",
+            "srun",
+            {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NAME": "t", "SLURM_JOB_ID": "4242"},
+            SLURM,
+        ),
+        (
+            "mpirun_train.sh",
+            "mpirun",
+            {"HOSTS": "node1,node2"},
+            {k: v for k, v in OPEN_MPI.items() if k != "OMPI_MCA_orte_hnp_uri"},  # Open MPI 5
+        ),
+    ],
+)
+def test_example_scripts_give_one_pipeline_group_per_node(
+    tmp_path, script, launcher, env, launcher_env
+):
+    """scripts/: each node one process and one pipeline group over its 8 GPUs, as the launcher
+    (faked: it records its arguments) would start train.py."""
+    argv = _script_argv(tmp_path, script, launcher, env)
+    assert ("--ntasks-per-node=1" if launcher == "srun" else "--npernode") in argv
+    config = load_config(argv[argv.index("train.py") + 1 :])
+    assert config.hardware == "gpu_multiprocess" and config.processes_pending
+    procs = processes.for_config(config, launcher_env)
+    resolved = config.resolve_devices(
+        16,
+        coordinator_address=procs.coordinator_address,
+        num_processes=procs.num_processes,
+        process_id=procs.process_id,
+    )
+    assert (resolved.num_processes, resolved.mesh_pipeline, resolved.mesh_fsdp) == (2, 2, 8)
+    assert resolved.num_devices == 16 and resolved.dcn_pipeline_parallelism == 2
+    if launcher == "mpirun":
+        assert resolved.coordinator_address == "node1:12355"

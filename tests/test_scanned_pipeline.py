@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 from compare import assert_bitwise, assert_close_per_leaf, assert_on_group
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import sharding
 from MaxText.checkpoint.layout import CanonicalLayout, canonical_tree, numpy_stack
@@ -31,7 +31,9 @@ COMMON = [*SMALL_MODEL, "warmup_steps_fraction=0", "num_pipeline_microbatches=4"
 
 def config_of(tmp_path, *overrides):
     return load_config(
-        [str(CONFIGS_DIR / "base.yml"), *COMMON, f"base_output_directory={tmp_path}", *overrides]
+        merged(
+            str(CONFIGS_DIR / "base.yml"), *COMMON, f"base_output_directory={tmp_path}", *overrides
+        )
     )
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import sharding
 from MaxText.cluster import devices
@@ -42,7 +42,9 @@ SMALL = [
 
 def small_config(tmp_path, *overrides):
     return load_config(
-        [str(CONFIGS_DIR / "base.yml"), *SMALL, f"base_output_directory={tmp_path}", *overrides]
+        merged(
+            str(CONFIGS_DIR / "base.yml"), *SMALL, f"base_output_directory={tmp_path}", *overrides
+        )
     )
 
 
