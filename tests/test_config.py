@@ -569,3 +569,29 @@ def test_other_maxtext_keys():
     assert load("opt_type=adafactor").opt_type == "adafactor"
     with pytest.raises(ConfigError, match="opt_type=muon is not one of adamw | adam | sgd"):
         load("opt_type=muon")
+
+
+def test_unreadable_checkpoint_is_a_checkpoint_error(tmp_path, capsys):
+    """A checkpoint that cannot be read is not a config error: its own type and prefix (exit 2),
+    a `UserError` as every error the user fixes."""
+    from MaxText.errors import CheckpointError, UserError
+    from MaxText.train import main
+
+    assert issubclass(CheckpointError, UserError) and not issubclass(CheckpointError, ConfigError)
+    missing = tmp_path / "nowhere"
+    code = main(
+        [
+            BASE,
+            "dataset_type=synthetic",
+            "num_decoder_layers=1",
+            "steps=1",
+            "eval_interval=0",
+            "enable_checkpointing=false",
+            "enable_tensorboard=false",
+            "enable_progress_bar=false",
+            f"base_output_directory={tmp_path}",
+            f"load_parameters_path={missing}",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == f"checkpoint error: {missing} does not exist", err

@@ -39,7 +39,7 @@ from jaxpp_integration.schedules import SCHEDULE_NAMES
 from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, NO_EFFECT, VALUE_ALIASES
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, fill_axes
 from MaxText.config.pipeline import REMAT_POLICIES, stage_layer_counts  # noqa: F401
-from MaxText.config.rules import derive
+from MaxText.config.rules import axes_pending, derive, processes_pending
 from MaxText.config.unsupported_keys import UNSUPPORTED, UNSUPPORTED_VALUES
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
 
@@ -228,14 +228,11 @@ class Config:
     # ---- conveniences (pure functions of the fields)
     @property
     def processes_pending(self) -> bool:
-        """The launcher (srun, mpirun) says how many processes there are and which one this is."""
-        gpu_cluster = self.hardware == "gpu_multiprocess" and not self.coordinator_address
-        return self.num_processes == -1 or gpu_cluster
+        return processes_pending(vars(self))  # see rules.py
 
     @property
     def axes_pending(self) -> bool:
-        """An ici axis is -1: it takes the devices the others leave (needs the device count)."""
-        return any(getattr(self, k) == -1 for k in PARALLELISM_KEYS)
+        return axes_pending(vars(self))
 
     @property
     def devices_pending(self) -> bool:

@@ -11,12 +11,25 @@ Every failure is a `ConfigError` naming the keys and the fix.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from MaxText.config.maxtext_compat import apply_parameter_scale
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, derive_mesh, filled_axis
 from MaxText.config.pipeline import auto_defaults, derive_pipeline
 from MaxText.errors import ConfigError
+
+
+def processes_pending(v: Mapping[str, Any]) -> bool:
+    """The launcher (srun, mpirun) tells the processes: `num_processes=-1`, or
+    `hardware=gpu_multiprocess` without `coordinator_address`."""
+    gpu_cluster = v["hardware"] == "gpu_multiprocess" and not v["coordinator_address"]
+    return v["num_processes"] == -1 or gpu_cluster
+
+
+def axes_pending(v: Mapping[str, Any]) -> bool:
+    """An ici axis is -1: it takes the devices the others leave (needs the device count)."""
+    return any(v[k] == -1 for k in PARALLELISM_KEYS)
 
 
 def derive(v: dict[str, Any]) -> None:
@@ -27,9 +40,7 @@ def derive(v: dict[str, Any]) -> None:
     auto_defaults(v)
     filled_axis({k: v[k] for k in PARALLELISM_KEYS})
     filled_axis({k: v[k] for k in DCN_KEYS})
-    gpu_cluster = v["hardware"] == "gpu_multiprocess" and not v["coordinator_address"]
-    pending = v["num_processes"] == -1 or gpu_cluster or -1 in (v[k] for k in PARALLELISM_KEYS)
-    if not pending:
+    if not (processes_pending(v) or axes_pending(v)):
         derive_mesh(v)
         derive_pipeline(v)
 
