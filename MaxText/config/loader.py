@@ -327,15 +327,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             number = float(value)
         except ValueError:
             number = None
-        if number is not None and not math.isfinite(number):
-            raise ConfigError(f"{name}={value} ({source}): must be a finite number")
         if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{name}={value} ({source}): must be a finite number")
             return number
-    if (
-        kind in (int, bool)
-        and isinstance(value, kind)
-        and isinstance(value, bool) == (kind is bool)
-    ):
+    if kind in (int, bool) and type(value) is kind:  # True is not an integer here
         return value
     raise ConfigError(f"{name}={value!r} ({source}): expected {_KIND[kind]}")
 
