@@ -85,11 +85,13 @@ def main(argv=None) -> int:
     from MaxText.metrics import setup_logging
 
     setup_logging()
-    from MaxText.cluster import devices
+    from MaxText.cluster import devices, xla_flags
     from MaxText.config import ConfigError, load_config
 
     try:
-        config, _ = devices.start(load_config(rest))
+        config = load_config(rest)
+        xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
+        config, _ = devices.start(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -29,7 +29,7 @@ import numpy as np
 import jaxpp_integration as jaxpp
 from MaxText import memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
-from MaxText.cluster import devices
+from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.config import Config, load_config
 from MaxText.errors import UserError
 from MaxText.metrics import MetricsLogger, setup_logging
@@ -87,6 +87,13 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         )
         + f"; step compiled in {trainer.compile_seconds:.1f} s"
     )
+    stats = getattr(trainer.train_step, "compile_stats", None)
+    if stats is not None:  # pipelined: each process compiles only its own groups' programs
+        logger.info(
+            f"process {jax.process_index()}: task programs of groups "
+            f"{sorted(trainer.train_step.local_ranks)} compiled here: {stats.compiles} XLA "
+            f"compiles, {stats.loads} loaded onto another group"
+        )
     local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
     memory.log_memory(logger.info, trainer.train_step, local)
     if start >= config.steps:
@@ -195,7 +202,13 @@ def main(argv: Sequence[str]) -> int:
     setup_logging()
     try:
         config = load_config(argv)
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
+        gpu_host.check_backend(
+            devs[0].platform,
+            hardware=config.hardware,
+            allow_cpu_fallback=config.allow_cpu_fallback,
+        )
     except UserError as e:
         print(f"{e.prefix}: {e}", file=sys.stderr)
         return 2
@@ -210,7 +223,11 @@ def main(argv: Sequence[str]) -> int:
     from MaxText.planning.auto import resolve_auto
 
     with compilation_cache(config.jax_cache_dir):
-        config = resolve_auto(config)  # "auto" schedule, microbatches, split, remat
+        try:
+            config = resolve_auto(config)  # "auto" schedule, microbatches, split, remat
+        except UserError as e:
+            print(f"{e.prefix}: {e}", file=sys.stderr)
+            return 2
         mesh = sharding.make_mesh(config, devs)
         trainer = build_trainer(config, mesh)
         try:

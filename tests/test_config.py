@@ -578,7 +578,8 @@ def test_unreadable_checkpoint_is_a_checkpoint_error(tmp_path, capsys):
     from MaxText.train import main
 
     assert issubclass(CheckpointError, UserError) and not issubclass(CheckpointError, ConfigError)
-    missing = tmp_path / "nowhere"
+    empty = tmp_path / "empty"  # exists (a missing path is a config error, before compiling)
+    empty.mkdir()
     code = main(
         [
             BASE,
@@ -590,8 +591,8 @@ def test_unreadable_checkpoint_is_a_checkpoint_error(tmp_path, capsys):
             "enable_tensorboard=false",
             "enable_progress_bar=false",
             f"base_output_directory={tmp_path}",
-            f"load_parameters_path={missing}",
+            f"load_parameters_path={empty}",
         ]
     )
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1] == f"checkpoint error: {missing} does not exist", err
+    assert code == 2 and err[-1] == f"checkpoint error: {empty} holds no checkpoint", err

@@ -4,7 +4,9 @@
   1. `argv[0]`, a YAML file (usually `configs/base.yml`), over the file its `base_config:` names
      (a path relative to itself);
   2. the preset `configs/models/<model_name>.yml`;
-  3. the `key=value` tokens of `argv[1:]` (a key given twice with different values is refused).
+  3. with `load_parameters_path=`, the model keys saved with that checkpoint
+     (`checkpoint_keys.py`), so a converted checkpoint alone describes its model;
+  4. the `key=value` tokens of `argv[1:]` (a key given twice with different values is refused).
 Values are parsed as YAML scalars and checked against the field's type, then against the
 constraints declared next to each field below (`key(ge=1)`, `key(choices=...)`), then against the
 rules between keys (`rules.py`), which also compute the derived fields. Any failure is a
@@ -36,6 +38,7 @@ from typing import Any
 import yaml
 
 from jaxpp_integration.schedules import SCHEDULE_NAMES
+from MaxText.config.checkpoint_keys import checkpoint_values
 from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, NO_EFFECT, VALUE_ALIASES
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, fill_axes
 from MaxText.config.pipeline import REMAT_POLICIES, stage_layer_counts  # noqa: F401
@@ -105,7 +108,12 @@ class Config:
     vocab_size: int = key(ge=1)
     logits_via_embedding: bool = key()
     normalization_layer_epsilon: float = key()
-    rope_max_timescale: float = key()
+    rope_max_timescale: float = key(gt=1)
+    rope_type: str = key(choices=("default", "llama3.1"))
+    rope_scaling_factor: float = key(ge=1)
+    rope_low_freq_factor: float = key(gt=0)
+    rope_high_freq_factor: float = key(gt=0)
+    rope_original_max_position_embeddings: int = key(ge=1)
     dtype: str = key(choices=DTYPES)
     weight_dtype: str = key(choices=DTYPES)
     remat_policy: str = key(choices=(*REMAT_POLICIES, "auto"))
@@ -142,7 +150,9 @@ class Config:
     train_split: str = key()
     eval_split: str = key()
     tokenizer_path: str = key()
-    tokenizer_type: str = key(choices=("sentencepiece",))
+    tokenizer_type: str = key(choices=("sentencepiece", "huggingface"))
+    add_bos: bool = key()
+    add_eos: bool = key()
     eval_split_fraction: float = key(ge=0, lt=1)
     data_shuffle_seed: int = key()
     packing: bool = key()
@@ -157,6 +167,11 @@ class Config:
     decode_sampling_strategy: str = key(choices=("greedy", "weighted", "topk"))
     decode_sampling_temperature: float = key()
     decode_sampling_top_k: int = key(ge=1)
+    # Hugging Face checkpoints
+    hf_model_path: str = key()
+    hf_output_path: str = key()
+    hf_output_dtype: str = key(choices=("", "bfloat16", "float32", "float16"))
+    hf_max_shard_mb: float = key(gt=0)
     # attention kernel and profiler (MaxText's keys)
     attention: str = key(choices=ATTENTION_KERNELS)
     attention_block_size: int = key(ge=1)
@@ -166,6 +181,7 @@ class Config:
     # MaxText compatibility keys (see configs/base.yml, "MaxText keys")
     global_parameter_scale: int = key(ge=1)
     hardware: str = key(choices=("auto", "cpu", "gpu", "gpu_multiprocess"))
+    allow_cpu_fallback: bool = key()  # train on CPU although nvidia-smi lists GPUs (gpu_host.py)
     dcn_data_parallelism: int = key(ge=1, minus_one="'the rest'")
     dcn_fsdp_parallelism: int = key(ge=1, minus_one="'the rest'")
     dcn_tensor_parallelism: int = key(ge=1, minus_one="'the rest'")
@@ -468,7 +484,14 @@ def load_config(argv: Sequence[str]) -> Config:
         preset = _read_yaml(_find_preset(str(model_name), config_path))
         preset.pop("model_name", None)
         layers.append(preset)
-    layers.append(command_line)  # 3. the command line
+    below = {name: value for layer in layers for name, value in layer.items()}
+    parameters = command_line.get("load_parameters_path", below.get("load_parameters_path"))
+    if parameters and parameters[0]:  # 3. the checkpoint's model keys
+        path = str(parameters[0])
+        if not Path(path).exists():
+            raise ConfigError(f"load_parameters_path={path} does not exist")
+        layers.append({k: (v, f"checkpoint {path}") for k, v in checkpoint_values(path).items()})
+    layers.append(command_line)  # 4. the command line
     values = {name: value for layer in layers for name, value in layer.items()}
 
     missing = [name for name in KEYS if name not in values]

@@ -37,6 +37,7 @@ def derive(v: dict[str, Any]) -> None:
     _processes(v)
     _model_shape(v)
     _data(v)
+    _attention(v)
     auto_defaults(v)
     filled_axis({k: v[k] for k in PARALLELISM_KEYS})
     filled_axis({k: v[k] for k in DCN_KEYS})
@@ -86,9 +87,34 @@ def _model_shape(v: dict[str, Any]) -> None:
             f"num_query_heads={v['num_query_heads']} must be a multiple of "
             f"num_kv_heads={v['num_kv_heads']} (grouped-query attention)"
         )
+    low, high = v["rope_low_freq_factor"], v["rope_high_freq_factor"]
+    if v["rope_type"] == "llama3.1" and not low < high:
+        raise ConfigError(
+            f"rope_low_freq_factor={low} and rope_high_freq_factor={high}: need 0 < low < high"
+        )
+
+
+def _attention(v: dict[str, Any]) -> None:
+    """cudnn_flash's dtype and packed rows (whether it has a GPU: `devices.setup`)."""
+    if v["attention"] == "cudnn_flash" and v["dtype"] == "float32":
+        raise ConfigError(
+            "attention=cudnn_flash needs dtype=bfloat16 or float16 (cuDNN flash attention has no "
+            "float32 kernel); set dtype=bfloat16, or keep float32 with attention=chunked"
+        )
+    if v["attention"] == "cudnn_flash" and v["dataset_type"] == "grain" and v["packing"]:
+        raise ConfigError(
+            "attention=cudnn_flash cannot keep packed documents apart (JAX's public API has no "
+            "segment ids for it; a [L, L] mask would become a dense bias); use attention=chunked "
+            "with packing, or packing=false"
+        )
 
 
 def _data(v: dict[str, Any]) -> None:
+    if v["tokenizer_type"] == "huggingface" and not v["tokenizer_path"]:
+        raise ConfigError(
+            "tokenizer_type=huggingface needs tokenizer_path= (a tokenizer.json file, or the "
+            "Hugging Face folder holding it)"
+        )
     if v["dataset_type"] == "grain" and not v["grain_train_files"]:
         raise ConfigError(
             "dataset_type=grain needs grain_train_files= (a glob of *.array_record shards written "

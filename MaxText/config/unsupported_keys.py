@@ -80,8 +80,7 @@ UNSUPPORTED: dict[str, str] = {
     "attn_logits_soft_cap": "logit soft-capping is not implemented",
     "final_logits_soft_cap": "logit soft-capping is not implemented",
     "use_qk_norm": "QK-norm is not implemented",
-    "rope_type": "plain RoPE only (rope_max_timescale sets its base)",
-    "rope_min_timescale": "plain RoPE only (rope_max_timescale sets its base)",
+    "rope_min_timescale": "RoPE frequencies start at 1 (rope_max_timescale sets the base)",
     "fused_qkv": "separate q/k/v projections only",
     "fused_mlp": "separate mlp projections only",
     "enable_dropout": "dropout is not implemented (training is deterministic)",
@@ -171,7 +170,6 @@ UNSUPPORTED: dict[str, str] = {
 
 # Values of our keys that MaxText (or a user) may give and this trainer does not run, with the
 # reason: `config error: not supported here: <key>=<value>: <reason>`.
-_SENTENCEPIECE = "only sentencepiece models are read (tokenizer_path=*.model)"
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
     "decoder_block": {
         **{
@@ -199,5 +197,7 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
     "profiler": {
         "nsys": "run train.py under `nsys profile` yourself, or use profiler=xplane",
     },
-    "tokenizer_type": {"huggingface": _SENTENCEPIECE, "tiktoken": _SENTENCEPIECE},
+    "tokenizer_type": {
+        "tiktoken": "read Llama 3's tokenizer.json with tokenizer_type=huggingface instead",
+    },
 }
