@@ -183,7 +183,7 @@ def test_more_config_errors():
                 "pipeline_schedule=interleaved_1f1b",
                 "num_pipeline_microbatches=2",
             ],
-            "needs num_pipeline_microbatches=2 to be a multiple of 4",
+            "needs num_pipeline_microbatches=2 to be a multiple of ici_pipeline_parallelism=4",
         ),
     ]
     for overrides, fragment in cases:
@@ -596,3 +596,32 @@ def test_unreadable_checkpoint_is_a_checkpoint_error(tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1] == f"checkpoint error: {empty} holds no checkpoint", err
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "dualpipev"])
+def test_config_accepts_exactly_the_microbatches_the_engine_accepts(schedule):
+    """The config words the engine's rule (`STAGES_PER_RANK`, `Schedule.microbatch_rule`) in
+    keys instead of writing it again: for every count it agrees with the schedule's `tasks`."""
+    from jaxpp_integration.schedules import STAGES_PER_RANK, ScheduleError, schedule_from_name
+
+    repeats = STAGES_PER_RANK[schedule] or 2
+    for pp in (2, 3):
+        for m in range(1, 9):
+            try:
+                schedule_from_name(schedule, pp * repeats, pp).tasks(m)
+                engine = "ok"
+            except ScheduleError:
+                engine = "refused"
+            try:
+                load(
+                    f"pipeline_parallelism={pp}",
+                    f"pipeline_schedule={schedule}",
+                    f"num_pipeline_repeats={repeats}",
+                    f"num_decoder_layers={pp * repeats}",
+                    f"num_pipeline_microbatches={m}",
+                    f"global_batch_size={m}",
+                )
+                config = "ok"
+            except ConfigError:
+                config = "refused"
+            assert config == engine, (pp, m)

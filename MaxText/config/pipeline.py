@@ -89,11 +89,17 @@ def derive_pipeline(v: dict[str, Any]) -> None:
     v["microbatch_size"] = v["global_batch_size"] // m
     if pp > 1:
         multiple, minimum = schedule_from_name(schedule, num_stages, pp).microbatch_rule()
-        if m % multiple or m < minimum:
-            need = f"a multiple of {multiple}" if m % multiple else f"at least {minimum}"
+        groups = "ici_pipeline_parallelism" if v["dcn_pipeline_parallelism"] == 1 else "groups"
+        if m % multiple:
+            of = f"{groups}={pp}" if multiple == pp else str(multiple)
             raise ConfigError(
-                f"pipeline_schedule={schedule} needs num_pipeline_microbatches={m} to be {need} "
-                f"(with {pp} pipeline groups and {num_stages} stages)"
+                f"pipeline_schedule={schedule} needs num_pipeline_microbatches={m} to be a "
+                f"multiple of {of}"
+            )
+        if m < minimum:
+            raise ConfigError(
+                f"pipeline_schedule={schedule} needs num_pipeline_microbatches >= {minimum} "
+                f"({num_stages} stages on {groups}={pp}), got {m}"
             )
 
 
