@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     try:
         config = load_config(rest)
         xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
-        devices.setup(**config.device_args())
+        config, _ = devices.start(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
     with compilation_cache(config.jax_cache_dir):
         try:
-            config, _, base = resolve_schedule(rest, config, hardware)
+            config, base = resolve_schedule(config, hardware)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    from MaxText.config import ConfigError
+    from MaxText.errors import UserError
     from MaxText.metrics import setup_logging
 
     setup_logging()
@@ -25,8 +25,8 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         exporter.export(exporter.export_config(argv))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"{e.prefix}: {e}", file=sys.stderr)
         return 2
     return 0
 

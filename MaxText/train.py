@@ -30,7 +30,8 @@ import jaxpp_integration as jaxpp
 from MaxText import memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
 from MaxText.cluster import devices, gpu_host, xla_flags
-from MaxText.config import Config, ConfigError, load_config
+from MaxText.config import Config, load_config
+from MaxText.errors import UserError
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
 from MaxText.planning import flops
@@ -202,14 +203,14 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = load_config(argv)
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
-        devs = devices.setup(**config.device_args())
+        config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
         gpu_host.check_backend(
             devs[0].platform,
             hardware=config.hardware,
             allow_cpu_fallback=config.allow_cpu_fallback,
         )
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"{e.prefix}: {e}", file=sys.stderr)
         return 2
     from MaxText.data import make_data
 
@@ -223,9 +224,9 @@ def main(argv: Sequence[str]) -> int:
 
     with compilation_cache(config.jax_cache_dir):
         try:
-            config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
+            config = resolve_auto(config)  # "auto" schedule, microbatches, split, remat
+        except UserError as e:
+            print(f"{e.prefix}: {e}", file=sys.stderr)
             return 2
         mesh = sharding.make_mesh(config, devs)
         trainer = build_trainer(config, mesh)
@@ -234,8 +235,8 @@ def main(argv: Sequence[str]) -> int:
         except TrainingDivergedError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        except ConfigError as e:  # e.g. a checkpoint of another model or seed
-            print(f"config error: {e}", file=sys.stderr)
+        except UserError as e:  # e.g. a checkpoint of another model or seed, or unreadable
+            print(f"{e.prefix}: {e}", file=sys.stderr)
             return 2
     if last:
         summary = f"done: {config.steps} steps, loss {last['loss']:.4f}"

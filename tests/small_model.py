@@ -32,3 +32,13 @@ SMALL_MODEL_SHAPE = [
 ]
 
 SMALL_MODEL = ["scan_layers=false", *SMALL_MODEL_SHAPE]
+
+
+def merged(*tokens: str) -> list[str]:
+    """`tokens` (a command line) with a later `key=value` replacing an earlier one of the same
+    key, for tests that add their own keys to a shared list: the command line itself refuses a
+    key given twice with different values."""
+    out: dict[str, str] = {}
+    for token in tokens:
+        out[token.split("=", 1)[0] if "=" in token else token] = token
+    return list(out.values())

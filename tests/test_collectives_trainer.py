@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 from compare import assert_close_per_leaf
-from small_model import SMALL_MODEL_SHAPE
+from small_model import SMALL_MODEL_SHAPE, merged
 from test_collectives_auto import _watch_inputs
 from test_train import make_batches
 
@@ -50,7 +50,7 @@ def trainers(tmp_path_factory):
             if mode is not None:  # None: the default
                 overrides.append(f"gradient_reduction={mode}")
             config = load_config(
-                [
+                merged(
                     str(CONFIGS_DIR / "base.yml"),
                     *SMALL_MODEL_SHAPE,
                     "global_batch_size=16",
@@ -60,7 +60,7 @@ def trainers(tmp_path_factory):
                     "enable_progress_bar=false",
                     "enable_tensorboard=false",
                     f"base_output_directory={root}",
-                ]
+                )
             )
             mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
             built[key] = (config, build_trainer(config, mesh))
