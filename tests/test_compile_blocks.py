@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 from compare import assert_bitwise, assert_on_group
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL_SHAPE, merged
 
 from MaxText import sharding
 from MaxText.cluster import devices
@@ -71,13 +71,10 @@ def config_of(stages: int, layers: int, *extra):
     return load_config(
         [
             str(CONFIGS_DIR / "base.yml"),
-            *SMALL_MODEL,
-            "scan_layers=true",  # the default (SMALL_MODEL unrolls for other tests)
+            *merged(*SMALL_MODEL_SHAPE, f"num_decoder_layers={layers}"),  # scanned: the default
             f"pipeline_parallelism={stages}",
-            f"num_decoder_layers={layers}",
             "num_pipeline_microbatches=8",
             "warmup_steps_fraction=0",
-            "base_output_directory=/unused",
             *extra,
         ]
     )
@@ -169,7 +166,7 @@ def test_four_stages_step_is_bitwise_and_each_stack_on_its_group(tmp_path):
     """The trainer at 4 stages x 2 layers: two steps bitwise equal to `jax.jit` of the same step
     function (parameters, both Adam moments, metrics), each stage's stacked weights and
     moments on its own group only."""
-    config = config_of(4, 8, f"base_output_directory={tmp_path}")
+    config = config_of(4, 8, f"base_output_directory={tmp_path}")  # (the others write nothing)
     trainer = build_trainer(
         config, sharding.make_mesh(config, devices.setup(**config.device_args()))
     )

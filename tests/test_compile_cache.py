@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from compare import assert_bitwise
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText.config import CONFIGS_DIR
 from MaxText.train import main
@@ -54,7 +54,7 @@ def cache_events():
 
 
 def train(base: Path, run: str, *overrides: str) -> np.ndarray:
-    argv = [
+    argv = merged(
         str(CONFIGS_DIR / "base.yml"),
         *SMALL_MODEL,
         "dataset_type=synthetic",
@@ -68,7 +68,7 @@ def train(base: Path, run: str, *overrides: str) -> np.ndarray:
         f"base_output_directory={base}",
         f"run_name={run}",
         *overrides,
-    ]
+    )
     assert main(argv) == 0
     lines = (base / run / "metrics.jsonl").read_text().splitlines()
     return np.asarray([json.loads(line)["loss"] for line in lines if '"loss"' in line])

@@ -7,8 +7,9 @@ carry their own copy of the scan body, and so do the backward tasks: XLA compile
 times, whatever the depth. Here a loop task is cut into *pieces*, compiled as programs of their
 own and run back to back as the one schedule task they make up (`ChainedExecutable`):
 
-- a **layer block**: a top-level `scan` over a loop constant (stacked weights; a scan over
-  computed values, such as chunked attention inside an unrolled layer, is not one), with the
+- a **layer block**: a top-level `scan` over weights stacked per layer (or their casts, or
+  what the forward's layer scan stacked for the backward; a scan over computed values, such as
+  chunked attention inside an unrolled layer, is not one), with the
   program constants it reads (values computed from nothing, such as rotary tables and causal
   masks, recomputed where they are read) and the sharding constraints that close a stage's
   layers: the constraint on the scan's result in a forward task, its transpose on the scan's
@@ -38,6 +39,7 @@ import dataclasses
 
 from jax.extend.core import Var
 
+from jaxpp_integration.frontend.marker import is_marker
 from jaxpp_integration.schedules import Phase
 
 _CONSTRAINT = "sharding_constraint"
@@ -54,12 +56,34 @@ class Piece:
     owned: list = dataclasses.field(default_factory=list)  # positions in the task's accumulators
 
 
-def is_layer_scan(eqn, loop_constants) -> bool:
-    """A top-level `scan` that scans over a loop constant (weights stacked per layer)."""
+def is_layer_scan(eqn, layer_values) -> bool:
+    """A top-level `scan` over values stacked per layer (see `stacked_layer_values`)."""
     if eqn.primitive.name != "scan":
         return False
     xs = eqn.invars[eqn.params["num_consts"] + eqn.params["num_carry"] :]
-    return any(isinstance(v, Var) and v in loop_constants for v in xs)
+    return any(isinstance(v, Var) and v in layer_values for v in xs)
+
+
+# Equations that only cast or lay out a value: a weight's cast is still that weight.
+_CASTS = frozenset(["convert_element_type", "sharding_constraint", "copy", "copy_p"])
+
+
+def stacked_layer_values(loop_constants, eqns) -> set:
+    """The values a layer scan scans over, over `eqns` (the loop body's, in order): the loop
+    constants (weights stacked per layer) and their casts, and what a layer scan stacks per
+    layer (its `ys`: the residuals the backward's scan reads, such as a bfloat16 copy of each
+    layer's weights). So the backward of a layer block is a layer block too, while a scan over
+    computed values (chunked attention inside an unrolled layer, and its backward) is not."""
+    out = set(loop_constants)
+    for e in eqns:
+        if is_marker(e):
+            out.update(o for o, i in zip(e.outvars, e.invars) if isinstance(i, Var) and i in out)
+        elif e.primitive.name in _CASTS:
+            if any(isinstance(v, Var) and v in out for v in e.invars):
+                out.update(e.outvars)
+        elif is_layer_scan(e, out):
+            out.update(e.outvars[e.params["num_carry"] :])
+    return out
 
 
 def constant_eqns(eqns) -> set:
@@ -73,12 +97,12 @@ def constant_eqns(eqns) -> set:
     return out
 
 
-def cut_task(eqns, outvars, owned_vars, phase: Phase, loop_constants) -> list[Piece]:
+def cut_task(eqns, outvars, owned_vars, phase: Phase, layer_values) -> list[Piece]:
     """The pieces of one loop task, or [] when it has no layer scan (one program, as it is).
 
     `outvars`: the task's values other tasks read; `owned_vars`: the body outputs it accumulates
-    (Var or Literal, in accumulator order); `loop_constants`: the body's constant invars."""
-    scans = {id(e) for e in eqns if is_layer_scan(e, loop_constants)}
+    (Var or Literal, in accumulator order); `layer_values`: see `stacked_layer_values`."""
+    scans = {id(e) for e in eqns if is_layer_scan(e, layer_values)}
     if not scans:
         return []
     consts = constant_eqns(eqns)
@@ -371,6 +395,7 @@ class ChainedExecutable:
         self.input_shardings = (tuple(input_shardings), {})
         self.output_shardings = list(output_shardings)
         self.nbytes = list(nbytes)
+        self.programs: list = []  # (program key, compile.TaskProgram) per piece, for tools
         last_use = {p: k for k, (_, args) in enumerate(steps) for p in args}
         keep = set(self.results)
         self._drop = [

@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 from jax.extend.core import Literal, Var
 
-from jaxpp_integration.compiler.blocks import Piece, cut_task
+from jaxpp_integration.compiler.blocks import Piece, cut_task, stacked_layer_values
 from jaxpp_integration.frontend.marker import check_markers_top_level, is_marker
 from jaxpp_integration.jax_compat import source_line
 from jaxpp_integration.schedules import Phase
@@ -146,10 +146,10 @@ def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -
             needed_by.setdefault(v, []).append(key)
     for task in tasks.values():
         task.outvars = [o for e in task.eqns for o in e.outvars if o in needed_by]
-    loop_constants = set(const_vars)
+    layer_values = stacked_layer_values(const_vars, jaxpr.eqns)
     for (_, phase), task in tasks.items():
         owned = [outvars[j] for j in task.owned_outputs]
-        task.pieces = cut_task(task.eqns, task.outvars, owned, phase, loop_constants)
+        task.pieces = cut_task(task.eqns, task.outvars, owned, phase, layer_values)
     return PartitionedBody(tasks, const_vars, mb_vars, outvars, owner)
 
 
