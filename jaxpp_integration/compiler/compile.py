@@ -515,8 +515,9 @@ def compile_program(
             sh = slot_sharding[slot] = sh()
         return sh
 
+    # (programs are shared only between this process's groups)
     codes = list({id(i.code): i.code for i in prog.instrs if isinstance(i, Run)}.values())
-    after_pieces = after_loop_pieces(codes)
+    after_pieces = after_loop_pieces([c for c in codes if c.rank in local])
 
     def pieces(code):
         """The programs a task runs: a loop task cut at its layer scans (`TaskCode.pieces`),
