@@ -92,7 +92,8 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         logger.info(
             f"process {jax.process_index()}: task programs of groups "
             f"{sorted(trainer.train_step.local_ranks)} compiled here: {stats.compiles} XLA "
-            f"compiles, {stats.loads} loaded onto another group"
+            f"compiles, {stats.persistent_hits} read from jax_cache_dir, {stats.loads} loaded "
+            "onto another group"
         )
     local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
     memory.log_memory(logger.info, trainer.train_step, local)

@@ -416,6 +416,8 @@ class ChainedExecutable:
         return [env[p] for p in self.results]
 
     def as_text(self) -> str:
+        """The pieces' HLO modules one after the other (each module read on its own: see
+        `executables`)."""
         return "\n".join(exe.as_text() for exe in self.executables)
 
     def cost_analysis(self) -> dict:

@@ -313,7 +313,12 @@ def _task_ops(compiled, idx: int, cache: dict) -> list:
     key = (id(exe), ins.code.rank)
     if key not in cache:
         mesh = compiled.mpmd_mesh.unstack[ins.code.rank]
-        cache[key] = [(op, group_axes(op.groups, mesh)) for op in collective_ops(exe.as_text())]
+        modules = getattr(exe, "executables", [exe])  # a task run as pieces: each its own module
+        cache[key] = [
+            (op, group_axes(op.groups, mesh))
+            for module in modules
+            for op in collective_ops(module.as_text())
+        ]
     return cache[key]
 
 
