@@ -193,9 +193,30 @@ def after_loop_pieces(codes) -> dict:
             if out.get(id(c)) and all(len(found[piece_text[id(p)]]) < 2 for p in out[id(c)])
         ]
         if not lone:
-            return {k: v for k, v in out.items() if v}
+            break
         for c in lone:
             out[id(c)] = ()
+    # cut only if that makes less to compile: XLA's work grows with a program's equations, plus
+    # a fixed cost per program (identical whole tasks, as uniform stages have, share one compile)
+    after = [c for c in codes if id(c) in parts]
+    whole = {str(make_jaxpr_of(c.eqns, c.invars, c.outvars)): len(c.eqns) for c in after}
+    cut = {piece_text[id(p)]: len(p.eqns) for c in after for p in out.get(id(c), ())}
+    cut.update(
+        (text, n)
+        for c in after
+        if not out.get(id(c))
+        for text, n in [(str(make_jaxpr_of(c.eqns, c.invars, c.outvars)), len(c.eqns))]
+    )
+    if sum(n + PROGRAM_COST_EQNS for n in cut.values()) >= sum(
+        n + PROGRAM_COST_EQNS for n in whole.values()
+    ):
+        return {}
+    return {k: v for k, v in out.items() if v}
+
+
+# What compiling one more program costs, in equations of a program (XLA:CPU here: ~25 ms for a
+# program of a few equations, ~2 ms per optimizer equation).
+PROGRAM_COST_EQNS = 25
 
 
 def piece_function(code: TaskCode, piece, eqns):
@@ -536,6 +557,21 @@ def compile_program(
         jitted, avals = _jit_task(prog, mpmd_mesh, ins, in_sh)
         return jitted.lower(*avals)
 
+    recipes_made: dict = {}
+
+    def recipe_of(code, j, avals, in_sh, donate) -> TaskProgram:
+        """How piece `j` of `code` is compiled with these inputs (made once: every other
+        microbatch's instance reuses it)."""
+        key = (id(code), j, tuple(in_sh), donate)
+        with lock:
+            if key not in recipes_made:
+                piece = pieces(code)[j]
+                jitted, args = _jit_piece(mpmd_mesh, code, piece, avals, in_sh, donate)
+                recipes_made[key] = TaskProgram(
+                    piece_name(code, piece), code.rank, code.kind, jitted, args
+                )
+            return recipes_made[key]
+
     def compile_one(name, lowering):
         t0 = time.perf_counter()
         with persistent_cache_reads() as reads:
@@ -643,10 +679,9 @@ def compile_program(
             p_sh = tuple(env_sh[p] for p in args)
             p_aval = [env_aval[p] for p in args]
             key = (key_of(code, j), tuple(_layout_key(sh, group) for sh in p_sh), donate)
-            jitted, avals = _jit_piece(mpmd_mesh, code, piece, p_aval, p_sh, donate)
-            name = piece_name(code, piece)
-            exe = program(key, code.rank, name, lambda f=jitted, a=avals: f.lower(*a))
-            recipes.append((key, TaskProgram(name, code.rank, code.kind, jitted, avals)))
+            recipe = recipe_of(code, j, p_aval, p_sh, donate)
+            exe = program(key, code.rank, recipe.name, lambda r=recipe: r.fn.lower(*r.args))
+            recipes.append((key, recipe))
             out_sh = [_plain(sh, group) for sh in exe.output_shardings]
             for v, sh in zip(piece.outvars, out_sh):
                 where[v] = len(env_sh)

@@ -62,8 +62,19 @@ def treduce(fn, xs, schedule=None, axis: int = 0, operation=(Concat(), Add), out
     def body(*mb_leaves):
         return fn(jax.tree.unflatten(xs_tree, mb_leaves))
 
-    with marker.markers_inactive():
-        out_example = jax.eval_shape(body, *mb_avals)
+    # one trace of `fn` (a pipelined model's costs most of a step's compile): the jaxpr, and the
+    # output's structure and shapes from the same trace
+    trees: list = []
+
+    def flat_body(*a):
+        leaves_out, tree = jax.tree.flatten(body(*a))
+        trees.append(tree)
+        return leaves_out
+
+    scope = marker.stage_counting() if _PIPELINED.get() else contextlib.nullcontext()
+    with scope:
+        closed, out_shapes = jax.make_jaxpr(flat_body, return_shape=True)(*mb_avals)
+    out_example = jax.tree.unflatten(trees[-1], out_shapes)
     ops = broadcast_operations(operation, out_example)
     out_tree = jax.tree.structure(out_example)
     acc_specs = None
@@ -80,10 +91,6 @@ def treduce(fn, xs, schedule=None, axis: int = 0, operation=(Concat(), Add), out
             )
         )
 
-    flat_body = lambda *a: jax.tree.leaves(body(*a))
-    scope = marker.stage_counting() if _PIPELINED.get() else contextlib.nullcontext()
-    with scope:
-        closed = jax.make_jaxpr(flat_body)(*mb_avals)
     body_jaxpr, consts = _consts_to_invars(closed)
     outs = treduce_p.bind(
         *consts,
