@@ -229,3 +229,30 @@ def test_parts_of_work_after_the_loop_compute_what_the_whole_task_does():
                                    if isinstance(i, Run) and id(i.code) in checked}.values()) == [
         "after_loop_1_0", "after_loop_1_1", "after_loop_2_0", "after_loop_2_1",
         "after_loop_3_0", "after_loop_3_1"]  # fmt: skip
+
+
+def test_treduce_traces_the_microbatch_function_once():
+    """A pipelined model's trace is a large part of its compile: `treduce` traces the
+    microbatch function once, under `jax.jit` and under `mpmd_jit_with_loop` alike (the output
+    structure comes from that same trace), and the result still equals `jax.jit`'s bitwise."""
+    import optax
+    from engine_models import make_step, mpmd_mesh
+    from test_compile_sharing import uniform_mlp
+
+    import jaxpp_integration as jaxpp
+
+    params, batch, loss_fn = uniform_mlp(2)
+    traces = []
+
+    def counted(p, mb):
+        traces.append(1)
+        return loss_fn(p, mb)
+
+    opt = optax.sgd(0.1)
+    step = make_step(counted, opt, jaxpp.Std1F1B(2))
+    args = (params, opt.init(params), batch)
+    want = jax.jit(step)(*args)
+    assert len(traces) == 1
+    compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2)).compile(*args)
+    assert len(traces) == 2
+    assert_bitwise(want, compiled(*args))
