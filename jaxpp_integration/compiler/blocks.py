@@ -324,11 +324,13 @@ def group_parts(eqns, parts: list[Piece], groups: list[int], outvars) -> list[Pi
 
 
 def _same_scalar_uses(eqns, outvars, piece: Piece) -> bool:
-    """Whether XLA sees every scalar `piece` combines with arrays used once there exactly when
-    it is used once in the whole task. XLA rewrites `x / s` as `x * (1 / s)` only when `s` has
-    one use (and then no longer folds `(x / a) / b` into `x / (a * b)`), which changes results
-    in the last bit: a piece updating one weight alone would not compute what the task (and
-    `jax.jit` of the whole step) does."""
+    """Makes XLA see every scalar `piece` combines with arrays used once there exactly when it
+    is used once in the whole task, or says it cannot. XLA rewrites `x / s` as `x * (1 / s)`
+    only when `s` has one use (and then no longer folds `(x / a) / b` into `x / (a * b)`), which
+    changes results in the last bit. A scalar used once in the piece but several times in the
+    task (one weight's update cut from the others') is also handed out of the piece, a second
+    use that keeps XLA's choice; one used several times in the piece but once in the task
+    cannot be helped (False: the task is not cut)."""
 
     def uses(body, handed):
         n: dict = {}
@@ -350,7 +352,13 @@ def _same_scalar_uses(eqns, outvars, piece: Piece) -> bool:
         for v in e.invars
         if isinstance(v, Var) and _scalar(v)
     }
-    return all((mine[v] == 1) == (whole.get(v, 0) == 1) for v in mixed)
+    for v in sorted(mixed, key=str):
+        if (mine[v] == 1) == (whole.get(v, 0) == 1):
+            continue
+        if mine[v] != 1:
+            return False
+        piece.outvars.append(v)  # (an output nobody reads: the second use)
+    return True
 
 
 def _scalar(v) -> bool:
