@@ -21,10 +21,11 @@ Stages with the same layer count and remat policy thus have identical block piec
 for the forward and once for the backward and loaded onto every group (`compile.py` keys programs
 by their equations, never by stage or device). A task without a layer scan stays one program.
 
-A cut is made only where XLA simplifies every piece as it would the whole task (see
-`_same_scalar_uses`), so results keep their bits. Work after the loop (an optimizer update) is
-cut the same way into its independent parts (`independent_parts`, `group_parts`): the update of
-a layer stack is then one program for every stage.
+Each piece uses the scalars it combines with arrays as XLA sees them used in the whole task
+(`_same_scalar_uses`; where that cannot be arranged the task is not cut), so XLA simplifies it
+alike and results keep their bits. Work after the loop (an optimizer update) is cut the same
+way into its independent parts (`independent_parts`, `group_parts`): the update of a layer
+stack is then one program for every stage.
 
 Guarantees: the pieces run in order compute exactly the task's equations (a piece reads only
 task inputs and earlier pieces' outputs); every accumulator the task updates is updated by
