@@ -15,7 +15,9 @@ The loop (`MaxText/train.py`) talks to one `Checkpoints` object:
 - `maybe_save(step, state, data, final)` saves every `checkpoint_period` steps and at the last step;
   with `async_checkpointing` the arrays are copied to host memory, then written by a background
   thread while training continues; the next save (and `close()`) waits for the previous one.
-- `close()` waits for a pending save and releases the manager.
+  `save(step, state, data, wait=True)` saves now and returns once it is on disk (preemption).
+- `check()` (every step) reports a failed background save; `close()` waits for a pending save and
+  releases the manager.
 
 **Canonical layout.** The `state` item holds every array once, at its global shape, in one tree
 for every layout (every decoder layer its own `layers_<i>`, scanned or not): nothing on disk depends
@@ -28,14 +30,18 @@ layout wants it on: the SPMD step's shardings, or, pipelined, the groups whose c
 read it.
 
 **Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
-only when every item is written, so a killed save never looks complete; leftover temporary
-folders are removed when the next run opens the manager. Before a checkpoint is restored its
-metadata files are parsed and every stored array chunk is read once (`integrity.py`); a
-complete checkpoint that cannot be read (truncated or corrupt file) is skipped with a warning
-naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and the
-previous one is used. Only storage and decoding errors count as "cannot be read"
-(`is_storage_error`: a missing or unreadable file, invalid JSON, tensorstore's read/decode
-statuses); any other exception is a bug, propagates with its traceback and moves nothing.
+only when every item is written (and its `checksums.json` recorded), so a killed save never looks
+complete; leftover temporary folders are removed when the next run opens the manager. Before a
+checkpoint is restored every file is checked against its checksum (older checkpoints without a
+record: every stored array chunk is read once) and its metadata files are parsed
+(`integrity.py`). A damaged checkpoint (missing, truncated or altered file) is skipped with a
+warning naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and
+the previous one is used. A checkpoint that cannot be read for another storage reason (permission
+denied, EIO, ...) is not damaged: the run stops with one line (`CheckpointUnavailableError`,
+exit 1) and nothing is moved. Any other exception is a bug, propagates with its traceback and
+moves nothing. A save that fails (disk full, permission) stops the run with one line naming the
+step, the errno and the newest checkpoint on disk (`PendingSave`, `StorageError`, exit 1); an
+async save's failure is found at the next step (`check`).
 
 **Several processes** (`num_processes>1`): every process opens the same manager (a folder all of
 them see) and saves collectively. orbax writes only arrays that span processes, so a pipelined
@@ -50,6 +56,7 @@ checkpoint unreadable) raise `ConfigError` with one line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -64,14 +71,21 @@ import jax
 import numpy as np
 
 from MaxText.checkpoint.integrity import (
+    UNAVAILABLE,
+    CheckpointUnavailableError,
     UnreadableCheckpointError,  # noqa: F401 (part of this module's interface)
     check_files,
+    classify,
+    describe_failure,
     first_cause_line,
-    is_storage_error,
+    is_storage_error,  # noqa: F401 (part of this module's interface)
     verify_arrays,
+    verify_checksums,
 )
 from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for, restore_args
+from MaxText.checkpoint.pending_save import PendingSave
 from MaxText.config import Config, ConfigError
+from MaxText.errors import StorageError
 
 # orbax is imported where it is used: importing it logs through absl, which installs a root log
 # handler when there is none yet and so would swallow the trainer's `logging.basicConfig`.
@@ -115,13 +129,24 @@ LAYOUT_KEYS = (
 # --------------------------------------------------------------------------- placement of leaves
 
 
-def _open_manager(directory: str | os.PathLike, config: Config | None, read_only: bool):
+def _open_manager(
+    directory: str | os.PathLike,
+    config: Config | None,
+    read_only: bool,
+    on_written: Any = None,
+):
+    """orbax's manager for `directory`. Writing managers always save through orbax's background
+    thread (`async_checkpointing=false` waits for it at once), so `on_written` runs in every
+    save after every item is written and before the step is made visible (checksums)."""
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else config.max_num_checkpoints_to_keep,
         save_interval_steps=0 if read_only else 1,
-        enable_async_checkpointing=bool(config and config.async_checkpointing) and not read_only,
+        enable_async_checkpointing=not read_only,
+        async_options=None
+        if read_only
+        else ocp.AsyncOptions(post_finalization_callback=on_written),
         cleanup_tmp_directories=not read_only,
         create=not read_only,
         read_only=read_only,
@@ -171,14 +196,17 @@ def restore_latest(
     partial: bool = False,
     restore_as_numpy: bool = False,
     quarantine: Path | None = None,
+    none_readable: str = "move the folder away to start the run from scratch",
 ) -> Restored | None:
     """Reads the newest readable checkpoint of `manager` (or exactly `step`).
 
     `abstract_tree` gives the structure and shapes to read from the `state` item (all of it, or
     with `partial` a sub-tree such as `{"params": ...}`); `shardings` one sharding per leaf.
-    Unreadable checkpoints are skipped with a warning (and moved to `quarantine` if given).
-    Returns None when there is no checkpoint at all; raises ConfigError when none is readable or
-    the checkpoint holds a different model than `config`.
+    Damaged checkpoints are skipped with a warning (and moved to `quarantine` if given).
+    Returns None when there is no checkpoint at all; raises ConfigError (ending with the advice
+    `none_readable`) when none is readable or the checkpoint holds a different model than
+    `config`, and CheckpointUnavailableError, moving nothing, when a checkpoint cannot be read
+    for a reason that is not damage (permission, I/O: see `integrity.classify`).
     """
     import orbax.checkpoint as ocp
 
@@ -198,20 +226,30 @@ def restore_latest(
     for s in steps:
         step_dir = directory / str(s)
         restored = error = None
+        status = _READ
         try:
+            checked = verify_checksums(step_dir)
             meta = _read_json(manager, s, step_dir, json_items)
             if config is not None and "config" in meta:
                 _check_model(meta["config"], config, step_dir)
-            state = _read_state(manager, s, step_dir, treedef, items, args, partial)
+            state = _read_state(manager, s, step_dir, treedef, items, args, partial, checked)
             restored = Restored(step=s, directory=step_dir, state=state, items=meta)
         except ConfigError:
             raise  # the same on every process: it holds another model
-        except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)
-            if not is_storage_error(e):
+        except Exception as e:  # noqa: BLE001 (storage errors only, see integrity.classify)
+            kind = classify(e)
+            if kind is None:
                 raise  # a bug, not a damaged checkpoint: nothing is skipped or moved
-            error = e
-        readable = _count_everywhere(restored is not None)
-        if readable == jax.process_count():
+            error, status = e, (_UNAVAILABLE if kind == UNAVAILABLE else _DAMAGED)
+        statuses = _gather(status)
+        if _UNAVAILABLE in statuses:
+            who = "" if jax.process_count() == 1 else f" (process {statuses.index(_UNAVAILABLE)})"
+            reason = describe_failure(error) if status == _UNAVAILABLE else "on another process"
+            raise CheckpointUnavailableError(
+                f"cannot read checkpoint {step_dir}{who}: {reason}; it is not damaged, so "
+                f"nothing was moved: fix the storage or its permissions and run again"
+            )
+        if all(x == _READ for x in statuses):
             if skipped:
                 manager.reload()
             return restored
@@ -219,11 +257,14 @@ def restore_latest(
             error = RuntimeError("another process could not read it")
         # Moved aside only when no process could read it (a checkpoint one process reads is not
         # corrupt: the others see another filesystem or failed for another reason).
-        _skip(step_dir, error, quarantine if readable == 0 else None, skipped)
+        nobody = _READ not in statuses
+        _skip(step_dir, error, quarantine if nobody else None, skipped)
     raise ConfigError(
-        f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); move the folder "
-        f"away to start the run from scratch"
+        f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); {none_readable}"
     )
+
+
+_READ, _DAMAGED, _UNAVAILABLE = 0, 1, 2
 
 
 def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict[str, Any]:
@@ -255,12 +296,14 @@ def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
         )
 
 
-def _read_state(manager, step, step_dir, treedef, items, args, partial: bool) -> Any:
-    """The `state` item's arrays (after reading every stored chunk once, see `verify_arrays`)."""
+def _read_state(manager, step, step_dir, treedef, items, args, partial: bool, checked: bool) -> Any:
+    """The `state` item's arrays. Unless its files were `checked` against their checksums, every
+    stored chunk is read once first (`verify_arrays`), so damage is one line, not orbax's noise."""
     import orbax.checkpoint as ocp
 
     check_files(step_dir, (), state=True)
-    verify_arrays(step_dir / "state", "params." if partial else "")
+    if not checked:
+        verify_arrays(step_dir / "state", "params." if partial else "")
     restored = manager.restore(
         step,
         args=ocp.args.Composite(
@@ -274,13 +317,13 @@ def _read_state(manager, step, step_dir, treedef, items, args, partial: bool) ->
     return jax.tree.unflatten(treedef, jax.tree.leaves(restored))
 
 
-def _count_everywhere(flag: bool) -> int:
-    """How many processes passed `flag` (each process calls this in the same order)."""
+def _gather(value: int) -> list[int]:
+    """`value` of every process, by process index (each process calls this in the same order)."""
     if jax.process_count() == 1:
-        return int(flag)
+        return [value]
     from jax.experimental import multihost_utils
 
-    return int(np.sum(multihost_utils.process_allgather(np.int32(flag))))
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value)))]
 
 
 def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: list[str]) -> None:
@@ -300,6 +343,16 @@ def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: li
     )
 
 
+def _require_folder(path: str | os.PathLike, directory: Path) -> None:
+    """A checkpoint path must be a folder: say which kind of path it is when it is not."""
+    if Path(path).is_file():
+        raise ConfigError(
+            f"{path} is a file; give a run folder, its checkpoints folder or one step's folder"
+        )
+    if not directory.is_dir():
+        raise ConfigError(f"{path} does not exist")
+
+
 def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
     """(step, config dict) of the newest checkpoint under `path` whose config item reads.
 
@@ -309,8 +362,7 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
     import orbax.checkpoint as ocp
 
     directory, step = find_step_dir(path)
-    if not directory.is_dir():
-        raise ConfigError(f"{path} does not exist")
+    _require_folder(path, directory)
     manager = _open_manager(directory, None, read_only=True)
     try:
         steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
@@ -319,9 +371,15 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
                 check_files(directory / str(s), ("config",), state=False)
                 got = manager.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
                 return s, got["config"]
-            except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)
-                if not is_storage_error(e):
+            except Exception as e:  # noqa: BLE001 (storage errors only, see integrity.classify)
+                kind = classify(e)
+                if kind is None:
                     raise
+                if kind == UNAVAILABLE:
+                    raise CheckpointUnavailableError(
+                        f"cannot read checkpoint {directory / str(s)}: {describe_failure(e)}; "
+                        f"fix the storage or its permissions and run again"
+                    ) from None
                 log.warning("checkpoint %s is unreadable, skipping it (%s)", directory / str(s), e)
     finally:
         manager.close()
@@ -349,8 +407,7 @@ def read_params(
     arrays.
     """
     directory, step = find_step_dir(path)
-    if not directory.is_dir():
-        raise ConfigError(f"{path} does not exist")
+    _require_folder(path, directory)
     manager = _open_manager(directory, None, read_only=True)
     try:
         restored = restore_latest(
@@ -363,6 +420,11 @@ def read_params(
             json_items=("config",),
             partial=True,
             restore_as_numpy=shardings is None,
+            none_readable=(
+                f"{path} belongs to another run, so nothing was moved; point "
+                f"load_parameters_path at a readable checkpoint (a run folder, its checkpoints "
+                f"folder or one step's folder)"
+            ),
         )
     finally:
         manager.close()
@@ -396,10 +458,17 @@ class Checkpoints:
         self._layout = CanonicalLayout(trainer.abstract_state)
         self._placement = placement_for(trainer, leaves)
         self._manager = None
+        self.pending = PendingSave(self.directory)
         self.last_save_blocking_s: float | None = None
         if config.enable_checkpointing:
-            logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
-            self._manager = _open_manager(self.directory, config, read_only=False)
+            # orbax's per-save INFO lines, and its own tracebacks of a failed write (reported in
+            # one line by `PendingSave`) unless debug_tracebacks
+            level = logging.WARNING if config.debug_tracebacks else logging.CRITICAL
+            logging.getLogger("absl").setLevel(level)
+            self._manager = _open_manager(
+                self.directory, config, read_only=False, on_written=self.pending.record_checksums
+            )
+            self.pending.manager = self._manager
 
     def _state_leaves(self, canonical_leaves: list, indices: Sequence[int]) -> list:
         """Canonical leaves `indices` (as read) -> the state leaves they make, in state order."""
@@ -494,10 +563,15 @@ class Checkpoints:
         return self._manager is not None and (final or step % self.config.checkpoint_period == 0)
 
     def maybe_save(self, step: int, state: Any, data: Any, final: bool) -> None:
+        if self.should_save(step, final):
+            self.save(step, state, data)
+
+    def save(self, step: int, state: Any, data: Any, wait: bool = False) -> None:
+        """Saves `step` (see the module docstring); with `wait` (or `async_checkpointing=false`)
+        returns once it is on disk. Raises StorageError (one line) when the storage fails."""
         import orbax.checkpoint as ocp
 
-        if not self.should_save(step, final):
-            return
+        self.pending.check()  # the previous save: a failure is reported as that step's
         if step in self._manager.all_steps():
             return  # already written (e.g. the run resumed exactly there)
         get_state = getattr(data.train, "get_state", None)
@@ -507,31 +581,52 @@ class Checkpoints:
             )
         tree = self._layout.to_canonical(self._placement.saveable(jax.tree.leaves(state)))
         t0 = time.perf_counter()
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(tree),
-                data_iter=ocp.args.JsonSave(get_state()),
-                rng=ocp.args.JsonSave(rng_item(self.config)),
-                config=ocp.args.JsonSave({"format": FORMAT_VERSION, **self.config.to_dict()}),
-            ),
-            force=True,
-        )
+        try:
+            self.pending.wait()  # orbax would wait inside save(): name the right step on failure
+            self.pending.begin(step)
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(tree),
+                    data_iter=ocp.args.JsonSave(get_state()),
+                    rng=ocp.args.JsonSave(rng_item(self.config)),
+                    config=ocp.args.JsonSave({"format": FORMAT_VERSION, **self.config.to_dict()}),
+                ),
+                force=True,
+            )
+        except StorageError:
+            raise
+        except Exception as e:
+            raise self.pending.failed(step, e) from e
         self.last_save_blocking_s = time.perf_counter() - t0
+        written = wait or not self.config.async_checkpointing
+        if written:
+            self.pending.wait()
         log.info(
             "checkpoint step %d -> %s (%s, %.2f s blocking)",
             step,
             self.directory / str(step),
-            "async" if self.config.async_checkpointing else "written",
+            "written" if written else "async",
             self.last_save_blocking_s,
         )
 
-    def wait(self) -> None:
+    def check(self) -> None:
+        """Raises StorageError if the save in flight already failed (cheap; every step)."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            self.pending.check()
+
+    def wait(self) -> None:
+        """Waits for the save in flight; raises StorageError if it failed."""
+        if self._manager is not None:
+            self.pending.wait()
 
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        """Waits for a save in flight (StorageError if it failed) and releases orbax."""
+        if self._manager is None:
+            return
+        try:
+            self.pending.wait()
+        finally:
+            manager, self._manager = self._manager, None
+            with contextlib.suppress(Exception):  # a failure was reported once already
+                manager.close()

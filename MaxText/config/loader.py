@@ -181,6 +181,7 @@ class Config:
     gradient_accumulation_steps: int
     metrics_file: str
     jax_cache_dir: str
+    debug_tracebacks: bool  # full tracebacks for I/O and data errors (else one line)
 
     # ---- derived at load (not keys; never set them in YAML or on the command line)
     num_devices: int = _derived(1)  # data x fsdp x tensor x pipeline (ici x dcn)
