@@ -14,12 +14,13 @@ Two kinds of read failure, handled differently (`classify`):
 Any other exception while restoring is a bug in the code and propagates with its traceback.
 
 **Checksums.** Every checkpoint records, in `checksums.json` at the top of its step folder, the
-size and CRC-32 of each of its files (but `UNCHECKED`) (`record_checksums`, run by the save's background thread
-after orbax has written every item and before it makes the step visible, so a complete
-checkpoint always has its record). `verify_checksums` reads every file back before a restore and
-raises `UnreadableCheckpointError` naming the first file whose size or checksum differs, so a
-flipped byte in a same-size file counts as damage. A checkpoint without a record (written before
-this version) is checked by reading every stored array chunk instead (`verify_arrays`).
+size and CRC-32 of each of its files but `UNCHECKED` (`record_checksums`, run by the save's
+background thread after orbax has written every item and before it makes the step visible, so a
+complete checkpoint always has its record). `verify_checksums` reads every file back before a
+restore and raises `UnreadableCheckpointError` naming the first file whose size or checksum
+differs, so a flipped byte in a same-size file counts as damage. A checkpoint without a record
+(written before this version) is checked by reading every stored array chunk instead
+(`verify_arrays`).
 `check_files` parses the metadata files first, so damage shows as one line instead of orbax's
 asyncio tracebacks.
 """
