@@ -83,7 +83,7 @@ from MaxText.checkpoint.integrity import (
     verify_checksums,
 )
 from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for, restore_args
-from MaxText.checkpoint.pending_save import PendingSave
+from MaxText.checkpoint.pending_save import PendingSave, quiet_abandoned_writes
 from MaxText.config import Config, ConfigError
 from MaxText.errors import StorageError
 
@@ -465,6 +465,8 @@ class Checkpoints:
             # one line by `PendingSave`) unless debug_tracebacks
             level = logging.WARNING if config.debug_tracebacks else logging.CRITICAL
             logging.getLogger("absl").setLevel(level)
+            if not config.debug_tracebacks:
+                quiet_abandoned_writes()
             self._manager = _open_manager(
                 self.directory, config, read_only=False, on_written=self.pending.record_checksums
             )
@@ -630,3 +632,8 @@ class Checkpoints:
             manager, self._manager = self._manager, None
             with contextlib.suppress(Exception):  # a failure was reported once already
                 manager.close()
+
+    def abandon(self) -> None:
+        """Forgets orbax without waiting for a save in flight (the process exits at once; the
+        next run removes the unfinished temporary folder)."""
+        self._manager = None

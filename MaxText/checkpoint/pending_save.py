@@ -14,16 +14,43 @@ as a `StorageError` (exit code 1). An exception that is not a storage error (`in
 is a bug and propagates unchanged. `record_checksums` is orbax's post-finalization callback: it
 runs after every item of the step is written and before orbax renames the step's temporary folder
 into place, so a complete checkpoint always carries its `checksums.json`.
+
+When a write fails, orbax abandons its other writes; tensorstore finishes them later and reports
+each to an event loop that is closed by then, one "Event loop is closed" traceback apiece (over a
+hundred for a small model) through `sys.unraisablehook`. `quiet_abandoned_writes` drops exactly
+those (unless `debug_tracebacks`), so the failure stays one line.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from MaxText.checkpoint import integrity
 from MaxText.errors import StorageError
+
+
+def _is_abandoned_write(unraisable: Any) -> bool:
+    return unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == (
+        "Event loop is closed"
+    )
+
+
+def quiet_abandoned_writes() -> None:
+    """Installs (once per process) an unraisable hook that drops the noise of abandoned writes
+    and passes everything else to the hook it replaces."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_writes", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _is_abandoned_write(unraisable):
+            previous(unraisable)
+
+    hook.drops_abandoned_writes = True
+    sys.unraisablehook = hook
 
 
 class PendingSave:

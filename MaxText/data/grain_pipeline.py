@@ -36,7 +36,11 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import pathlib
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,6 +152,25 @@ def train_windows(
     )
 
 
+def _worker_init(_index: int, _count: int) -> None:
+    """Runs first in each grain worker process. The trainer's signals are the trainer's: a Ctrl-C
+    or a scheduler's SIGTERM reaches the whole process group, and a worker that died of it would
+    print a traceback and leave shared memory behind. Workers ignore SIGINT and SIGTERM; the
+    trainer stops them by closing its iterator (grain sets their stop event, then kills what is
+    still alive). Should the trainer die without closing them (SIGKILL), a watcher thread ends
+    the worker once its parent is gone, so none is left running."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _absl_flags_parsed() -> None:
     """grain's worker processes read absl flags (their defaults here): mark them parsed, as an
     absl app would, when the trainer was not started through absl."""
@@ -184,7 +207,10 @@ class GrainBatchIterator(Iterator[dict[str, np.ndarray]]):
         ds = self._windows[self._window :].to_iter_dataset()
         if self.worker_count > 0:
             _absl_flags_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
+            ds = ds.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=self.worker_count),
+                worker_init_fn=_worker_init,
+            )
         self._close()
         self._it = iter(ds)
 
