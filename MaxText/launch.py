@@ -61,7 +61,14 @@ def _parent_death_signal():
     return lambda: prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
-def launch(num_processes: int, train_args: list[str], *, timeout: float | None = None) -> int:
+def launch(
+    num_processes: int,
+    train_args: list[str],
+    *,
+    timeout: float | None = None,
+    script: Path = ROOT / "train.py",
+) -> int:
+    """Runs `script` (the trainer) N times; returns the exit code (see the module docstring)."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
@@ -80,7 +87,7 @@ def launch(num_processes: int, train_args: list[str], *, timeout: float | None =
         for i in range(num_processes):
             cmd = [
                 sys.executable,
-                str(ROOT / "train.py"),
+                str(script),
                 *train_args,
                 f"coordinator_address=127.0.0.1:{port}",
                 f"num_processes={num_processes}",

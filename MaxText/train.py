@@ -287,6 +287,18 @@ def main(argv: Sequence[str]) -> int:
             return e.exit_code
 
 
+def _make_data(config: Config) -> Any:
+    from MaxText.data import make_data
+    from MaxText.data.errors import DataError
+
+    try:
+        return make_data(config)
+    except ValueError as e:  # the data modules' plain ValueErrors are unusable data settings
+        if exit_codes.exit_code_of(e) is not None:
+            raise
+        raise DataError(str(e)) from None
+
+
 def _main(argv: Sequence[str], stops: StopRequests) -> int:
     debug = False
     try:
@@ -295,9 +307,7 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
         check_run_paths(config)  # before anything is compiled
         devs = devices.setup(**config.device_args())
         stops.cluster_started()  # several processes: JAX's preemption notifier takes SIGTERM
-        from MaxText.data import make_data
-
-        data = make_data(config)  # raises DataError for unusable data settings
+        data = _make_data(config)
     except Exception as e:
         code = exit_codes.report(e, debug=debug)
         if code is None:

@@ -440,7 +440,7 @@ def test_kill_during_async_save_resumes_from_previous(spmd_full, tmp_path, logs,
     """The save of step 15 is written but never finalized when the process dies."""
     _, full = spmd_full
     worker = str(REPO / "tests" / "checkpoint_worker.py")
-    proc = _start([worker, "15", *argv(tmp_path, "run", "steps=20")])
+    proc = _start([worker, "freeze:15", *argv(tmp_path, "run", "steps=20")])
     _kill_when(proc, "FROZEN SAVE 15")
     ckpt_dir = tmp_path / "run" / "checkpoints"
     partial = ckpt_dir / "15.orbax-checkpoint-tmp"

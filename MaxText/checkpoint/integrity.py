@@ -253,25 +253,28 @@ def verify_checksums(step_dir: Path) -> bool:
 _QUOTED_PATH = re.compile(r'"(/[^"]+)"')
 
 
-def describe_failure(e: BaseException) -> str:
+def describe_failure(e: BaseException, where: Any = None) -> str:
     """`No space left on device (ENOSPC) at /path/file` for a storage error (else its first line).
 
     The errno comes from an `OSError` in the chain of causes or from tensorstore's
     `[os_error_code='N']`; the path from `OSError.filename` or the last quoted path in
-    tensorstore's message.
+    tensorstore's message, else `where` (what was being read or written).
     """
     first, seen = e, set()
+    code = path = None
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
-            return _errno_text(e.errno, e.filename)
-        if type(e) is ValueError:
-            code = _OS_ERROR_CODE.search(str(e))
-            if code is not None:
+            code, path = code or e.errno, path or e.filename
+        elif type(e) is ValueError:
+            found = _OS_ERROR_CODE.search(str(e))
+            if found is not None:
                 paths = _QUOTED_PATH.findall(str(e))
-                return _errno_text(int(code.group(1)), paths[-1] if paths else None)
+                code, path = code or int(found.group(1)), path or (paths[-1] if paths else None)
         e = e.__cause__ or e.__context__
-    return first_cause_line(first)
+    if code is None:
+        return first_cause_line(first)
+    return _errno_text(code, path or where)
 
 
 def _errno_text(code: int, path: Any) -> str:

@@ -467,6 +467,8 @@ class Checkpoints:
             logging.getLogger("absl").setLevel(level)
             if not config.debug_tracebacks:
                 quiet_abandoned_writes()
+                # orbax's event loops: its abandoned writes' exceptions, logged when collected
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             self._manager = _open_manager(
                 self.directory, config, read_only=False, on_written=self.pending.record_checksums
             )

@@ -17,8 +17,9 @@ into place, so a complete checkpoint always carries its `checksums.json`.
 
 When a write fails, orbax abandons its other writes; tensorstore finishes them later and reports
 each to an event loop that is closed by then, one "Event loop is closed" traceback apiece (over a
-hundred for a small model) through `sys.unraisablehook`. `quiet_abandoned_writes` drops exactly
-those (unless `debug_tracebacks`), so the failure stays one line.
+hundred for a small model) through `sys.unraisablehook`, and asyncio logs each abandoned write's
+exception when it is collected. `quiet_abandoned_writes` drops exactly the former and the manager
+silences the `asyncio` logger (unless `debug_tracebacks`), so the failure stays one line.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class PendingSave:
             return e
         self.step = None
         return StorageError(
-            f"saving checkpoint step {step} failed: {integrity.describe_failure(e)}; "
+            f"saving checkpoint step {step} failed: "
+            f"{integrity.describe_failure(e, self.directory / f'{step}.orbax-checkpoint-tmp')}; "
             f"{self.describe_newest()}, a restart resumes from it; free space or fix the "
             f"permissions of {self.directory} and run again"
         )

@@ -39,15 +39,17 @@ def _fail(key: str, path: Path, what: str, e: OSError | str) -> PathError:
     return PathError(f"{key}={path}: {what} ({reason}); use a folder you can write to")
 
 
-def writable_dir(path: str | os.PathLike, key: str) -> Path:
-    """Creates folder `path` if needed and proves it writable; `key` names the setting."""
+def writable_dir(path: str | os.PathLike, key: str, shown: Path | None = None) -> Path:
+    """Creates folder `path` if needed and proves it writable; `key` names the setting (whose
+    value is `shown`, by default `path`)."""
     path = Path(path).expanduser()
+    shown = shown or path
     if path.exists() and not path.is_dir():
-        raise PathError(f"{key}={path}: {path} is a file, not a folder; give a folder")
+        raise PathError(f"{key}={shown}: {path} is a file, not a folder; give a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _fail(key, path, f"cannot create folder {path}", e) from None
+        raise _fail(key, shown, f"cannot create folder {path}", e) from None
     probe = path / f".write-probe-{socket.gethostname()}-{os.getpid()}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -57,7 +59,7 @@ def writable_dir(path: str | os.PathLike, key: str) -> Path:
             os.close(fd)
             probe.unlink()
     except OSError as e:
-        raise _fail(key, path, f"cannot write in {path}", e) from None
+        raise _fail(key, shown, f"cannot write in {path}", e) from None
     return path
 
 
@@ -66,7 +68,7 @@ def writable_file(path: str | os.PathLike, key: str) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise PathError(f"{key}={path}: {path} is a folder; give a file name")
-    writable_dir(path.parent if str(path.parent) else Path("."), key)
+    writable_dir(path.parent, key, shown=path)
     if path.exists() and not os.access(path, os.W_OK):
         raise _fail(key, path, f"cannot write {path}", "not writable")
     return path

@@ -217,8 +217,21 @@ def prepare(
         origin = f"file {tokenizer_path}"
     else:
         bar = _progress_bar(files, "training tokenizer", quiet)
-        train_docs = (d for d in iter_documents(files, bar) if not is_eval(d, eval_fraction))
-        proto = train_sentencepiece(train_docs, vocab_size)
+        failed: list[DataError] = []  # sentencepiece reads the documents in C++ and wraps errors
+
+        def train_docs() -> Iterator[Document]:
+            try:
+                yield from (d for d in iter_documents(files, bar) if not is_eval(d, eval_fraction))
+            except DataError as e:
+                failed.append(e)
+                raise
+
+        try:
+            proto = train_sentencepiece(train_docs(), vocab_size)
+        except ValueError:
+            if failed:
+                raise failed[0] from None
+            raise
         if bar is not None:
             bar.close()
         tokenizer = SentencePieceTokenizer(proto)
@@ -289,7 +302,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    m = prepare(
+    try:
+        m = _prepare(args)
+    except ValueError as e:  # the tokenizer's errors (vocab_size too small, ...) are data errors
+        if exit_codes.exit_code_of(e) is not None:
+            raise
+        raise DataError(str(e)) from None
+    for split, s in m["splits"].items():
+        print(
+            f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
+            f"{len(s['shards'])} shards -> {args.out}/{split}-*.array_record"
+        )
+    print(f"tokenizer: {m['vocab_size']} pieces ({m['tokenizer_origin']}); {args.out}/{MANIFEST}")
+    return exit_codes.OK
+
+
+def _prepare(args) -> dict:
+    return prepare(
         args.input,
         args.out,
         tokenizer_path=args.tokenizer_path,
@@ -298,13 +327,6 @@ def _run(args) -> int:
         eval_fraction=args.eval_fraction,
         quiet=args.quiet,
     )
-    for split, s in m["splits"].items():
-        print(
-            f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
-            f"{len(s['shards'])} shards -> {args.out}/{split}-*.array_record"
-        )
-    print(f"tokenizer: {m['vocab_size']} pieces ({m['tokenizer_origin']}); {args.out}/{MANIFEST}")
-    return exit_codes.OK
 
 
 if __name__ == "__main__":
