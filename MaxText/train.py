@@ -132,6 +132,12 @@ def run(
     measured_peaks: list | None = None  # written into the first logged record
     profiler = Profiler(config, start, logger.info)
 
+    def on_disk() -> str:
+        """The newest checkpoint on disk, once a save still being written has finished."""
+        with contextlib.suppress(StorageError):  # a failed save: the older one is named
+            checkpoints.wait()
+        return checkpoints.pending.describe_newest()
+
     def finish(step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
         nonlocal last, measured_peaks
         values = _scalars(metrics)  # blocks until `step` has finished
@@ -140,8 +146,7 @@ def run(
         if not math.isfinite(values["loss"]):
             raise TrainingDivergedError(
                 f"loss is {values['loss']} at step {step}; aborting "
-                f"(try a lower learning_rate or a gradient_clipping_threshold); "
-                f"{checkpoints.pending.describe_newest()}"
+                f"(try a lower learning_rate or a gradient_clipping_threshold); {on_disk()}"
             )
         logger.advance(step, values["loss"])
         logger.step_line(
@@ -183,8 +188,7 @@ def run(
                 logger.write(record)
             except OSError as e:
                 raise StorageError(
-                    f"writing metrics to {config.metrics_file} failed: {os_reason(e)}; "
-                    f"{checkpoints.pending.describe_newest()}"
+                    f"writing metrics to {config.metrics_file} failed: {os_reason(e)}; {on_disk()}"
                 ) from e
             window.clear()
             last = record
