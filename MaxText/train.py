@@ -252,7 +252,7 @@ def _stop(step: int, state: Any, data: Any, checkpoints: Checkpoints, stops: Sto
     why = (
         signal.Signals(stops.signum).name
         if stops.signum is not None
-        else "preemption notice from another process"
+        else "SIGTERM (a preemption notice to this job)"
     )
     code = stops.exit_code
     if checkpoints.should_save(step, final=True):  # checkpointing is on
