@@ -109,12 +109,13 @@ def _plan(args, rest) -> int:
     from MaxText.metrics import setup_logging
 
     setup_logging()
-    from MaxText.cluster import devices
+    from MaxText.cluster import devices, xla_flags
     from MaxText.config import load_config
 
     config = load_config(rest)
     if args.json_path:
         writable_file(args.json_path, "--json")
+    xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
     devices.setup(**config.device_args())
     hardware = HARDWARE.get(args.hardware) or cpu_hardware(config.num_devices)
     overrides = {

@@ -38,7 +38,7 @@ import numpy as np
 import jaxpp_integration as jaxpp
 from MaxText import exit_codes, memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
-from MaxText.cluster import devices
+from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.cluster.output_paths import check_run_paths, os_reason
 from MaxText.cluster.preemption import StoppedBeforeStart, StopRequests
 from MaxText.config import Config, load_config
@@ -117,6 +117,13 @@ def run(
         )
         + f"; step compiled in {trainer.compile_seconds:.1f} s"
     )
+    stats = getattr(trainer.train_step, "compile_stats", None)
+    if stats is not None:  # pipelined: each process compiles only its own groups' programs
+        logger.info(
+            f"process {jax.process_index()}: task programs of groups "
+            f"{sorted(trainer.train_step.local_ranks)} compiled here: {stats.compiles} XLA "
+            f"compiles, {stats.loads} loaded onto another group"
+        )
     local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
     memory.log_memory(logger.info, trainer.train_step, local)
     if start >= config.steps:
@@ -309,7 +316,13 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
         config = load_config(argv)
         debug = config.debug_tracebacks
         check_run_paths(config)  # before anything is compiled
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         devs = devices.setup(**config.device_args())
+        gpu_host.check_backend(
+            devs[0].platform,
+            hardware=config.hardware,
+            allow_cpu_fallback=config.allow_cpu_fallback,
+        )
         stops.cluster_started()  # several processes: JAX's preemption notifier takes SIGTERM
         data = _make_data(config)
     except Exception as e:

@@ -63,14 +63,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -86,6 +82,8 @@ from jaxpp_integration import api as jaxpp_api  # noqa: E402
 from jaxpp_integration.compiler.program import Delete, Run, Transfer  # noqa: E402
 from jaxpp_integration.jax_compat import copy_shards  # noqa: E402
 from jaxpp_integration.runtime.executor import executor as runtime_mod  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NUM_STAGES = 4
 GOALS = {"step_ratio": 1.10, "dispatch_us_per_task": 50.0, "compile_ratio": 1.5}

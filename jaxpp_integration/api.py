@@ -31,7 +31,7 @@ from jaxpp_integration.jax_compat import wait_at_barrier
 from jaxpp_integration.runtime.executor import execute, prepare
 from jaxpp_integration.runtime.fetch import fetch
 from jaxpp_integration.runtime.reshard import mpmd_to_spmd_reshard
-from jaxpp_integration.runtime.transfer import cross_process_transfer
+from jaxpp_integration.runtime.transfer import CrossBatch, Link, SpecExchange
 from jaxpp_integration.runtime.watchdog import Watchdog, describe_instruction
 from jaxpp_integration.schedules import (
     DualPipeV,
@@ -146,6 +146,7 @@ class CompiledMpmdFunction:
     last_memory: MemoryReport | None = None
     last_events: list | None = None
     watchdog: Watchdog | None = None
+    input_transfers: dict = dataclasses.field(default_factory=dict)  # see `_place_input`
 
     @property
     def closed_jaxpr(self):
@@ -206,7 +207,6 @@ class CompiledMpmdFunction:
             inputs,
             record_times=record_times,
             local_ranks=self.local_ranks,
-            mpmd_axis=self.mpmd_mesh.mpmd_axis_name,
             watchdog=self.watchdog,
         )
 
@@ -225,15 +225,13 @@ class CompiledMpmdFunction:
             return _put(x, rank, sharding)
         if not (src_here or here):
             return None
-        mesh = self.mpmd_mesh
-        got = cross_process_transfer(
-            x.arrays[src] if src_here else None,
-            mesh.sharding(src, x.spec),
-            mesh.sharding(rank, x.spec),
-            x,
-            mesh.mpmd_axis_name,
-        )
-        return None if got is None else _put(got, rank, sharding)
+        key = (src, rank, x.spec, x.shape, x.dtype)  # its program and receive buffer, kept
+        if key not in self.input_transfers:
+            mesh = self.mpmd_mesh
+            link = Link(mesh.sharding(src, x.spec), mesh.sharding(rank, x.spec), x.shape, x.dtype)
+            self.input_transfers[key] = CrossBatch([link], src_here, mesh.mpmd_axis_name)
+        got, _ = self.input_transfers[key]([x.arrays[src]] if src_here else None)
+        return None if got is None else _put(got[0], rank, sharding)
 
 
 def _put(x, rank, sharding):
@@ -445,13 +443,25 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
     for j, slots in enumerate(prog.inputs):
         for r, s in slots.items():
             input_shardings[s] = mesh.sharding(r, input_specs[j])
-    executables, slot_sharding, stats = compile_program(
-        prog, mesh, input_shardings, cache={}, compile_threads=f.compile_threads
-    )
     local = local_ranks(mesh)
-    prepare(prog, slot_sharding, local)
-    if jax.process_count() > 1:  # every process compiled everything: meet before the first step
-        _compile_barrier[0] += 1  # a fresh barrier name per compile, the same on every process
+    exchange = None
+    if jax.process_count() > 1:  # each process compiles its own groups' programs only
+        _compile_barrier[0] += 1  # a fresh name per compile, the same on every process
+        exchange = SpecExchange(
+            f"jaxpp_integration/compile_{_compile_barrier[0]}/specs", BARRIER_TIMEOUT_S
+        )
+    executables, slot_sharding, stats = compile_program(
+        prog,
+        mesh,
+        input_shardings,
+        cache={},
+        compile_threads=f.compile_threads,
+        local_ranks=local,
+        exchange=exchange,
+    )
+    owners = [mesh.devices_of(r)[0].process_index for r in range(mesh.mpmd_dim)]
+    prepare(prog, slot_sharding, local, owners, mesh.mpmd_axis_name)
+    if exchange is not None:  # every process compiled its part: meet before the first step
         wait_at_barrier(f"jaxpp_integration_compiled_{_compile_barrier[0]}", BARRIER_TIMEOUT_S)
     out_specs = None
     if f.out_specs is not None:

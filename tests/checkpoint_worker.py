@@ -20,9 +20,6 @@ import errno
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def fill(folder: Path) -> None:

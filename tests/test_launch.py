@@ -39,6 +39,19 @@ def test_launch_usage_errors():
     assert out.returncode == 2 and "usage" in out.stdout
 
 
+def test_auto_pipeline_keys_refused_under_several_processes(tmp_path):
+    """The planner needs every group's compiled programs, which no process has when each
+    compiles only its own: `auto` pipeline keys stop at exit 2 with the fix, before compiling."""
+    args = [*SMALL_MODEL, "dataset_type=synthetic", "steps=1", f"base_output_directory={tmp_path}"]
+    cmd = [sys.executable, "-m", "MaxText.launch", "--num_processes", "2", "--timeout", "120"]
+    cmd += ["--", "configs/base.yml", *args, "pipeline_parallelism=2", "pipeline_stage_layers=auto"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, (done.stdout + done.stderr)[-3000:]
+    for p in range(2):
+        assert f"[p{p}] config error: 'auto' pipeline keys need the planner" in done.stdout
+    assert "run `python -m MaxText.plan` with the same arguments on one host" in done.stdout
+
+
 # tests/test_checkpointing.py's run: the small model, 20-step schedule, checkpoints every 5.
 SMALL = [
     "configs/base.yml",
@@ -57,6 +70,14 @@ SMALL = [
 ]
 
 
+def _compiled_here(process: int, groups: list[int], compiles: int) -> str:
+    """The trainer's log line on what one process compiled."""
+    return (
+        f"process {process}: task programs of groups {groups} compiled here: {compiles} XLA "
+        "compiles, 0 loaded onto another group"
+    )
+
+
 def _train(out: Path, run: str, processes: int, *overrides: str) -> str:
     args = [*SMALL, f"base_output_directory={out}", f"run_name={run}", *overrides]
     if processes == 1:
@@ -72,16 +93,21 @@ def _train(out: Path, run: str, processes: int, *overrides: str) -> str:
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_checkpoints_move_between_them(tmp_path):
     """2 processes (MaxText.launch, pp=2, one group each) train and evaluate bitwise like 1
-    process; a checkpoint written by 2 processes resumes in 1, and a single-process checkpoint
+    process, each compiling only its own group's task programs (6 each; one process compiles
+    12); a checkpoint written by 2 processes resumes in 1, and a single-process checkpoint
     resumes in 2: steps 6-10 equal the uninterrupted 2-process run bitwise (the checkpoint holds
     the canonical tree; only where it is read from changes). A resume at the same process count
     is the in-process tests' case (tests/test_checkpointing.py)."""
     log = _train(tmp_path, "two", 2, "pipeline_parallelism=2")
     assert "[p0]" in log and "[p1]" in log
+    # each process compiles only its own group's task programs: half of what one process does
+    for p in range(2):
+        assert f"[p{p}] {_compiled_here(p, [p], 6)}" in log, log[-3000:]
     full = _losses(tmp_path, "two")
     assert sorted(full) == list(range(1, 11))
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["10", "5"]
-    _train(tmp_path, "one", 1, "pipeline_parallelism=2", "steps=5")
+    log = _train(tmp_path, "one", 1, "pipeline_parallelism=2", "steps=5")
+    assert _compiled_here(0, [0, 1], 12) in log, log[-3000:]
     one = _losses(tmp_path, "one")
     assert [one[s] for s in range(1, 6)] == [full[s] for s in range(1, 6)]
     # the forward-only eval pipeline: its sums live on process 1's group and are broadcast

@@ -70,6 +70,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from MaxText.checkpoint import parameters
 from MaxText.checkpoint.integrity import (
     UNAVAILABLE,
     CheckpointUnavailableError,
@@ -361,6 +362,14 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
     """
     import orbax.checkpoint as ocp
 
+    location = parameters.locate(path)
+    if location is not None:  # a parameters-only checkpoint (<root>/<step>/items)
+        saved = parameters.read_config(location)
+        if saved is None:
+            raise ConfigError(
+                f"{location.item_dir} has no saved config; give the model keys on the command line"
+            )
+        return location.step, saved
     directory, step = find_step_dir(path)
     _require_folder(path, directory)
     manager = _open_manager(directory, None, read_only=True)
@@ -404,8 +413,11 @@ def read_params(
     """The canonical `params` tree of the newest readable checkpoint under `path`.
 
     With `shardings` (one per leaf) they are placed as global arrays; without, they are numpy
-    arrays.
+    arrays. `path` may also be a parameters-only checkpoint (`parameters.py`: `OUT/0/items`).
     """
+    location = parameters.locate(path)
+    if location is not None:
+        return _read_parameters_only(location, canonical_params, config, shardings)
     directory, step = find_step_dir(path)
     _require_folder(path, directory)
     manager = _open_manager(directory, None, read_only=True)
@@ -431,6 +443,18 @@ def read_params(
     if restored is None:
         raise ConfigError(f"{path} holds no checkpoint")
     return restored.state["params"], restored
+
+
+def _read_parameters_only(
+    location: parameters.Location, canonical_params: Any, config: Config | None, shardings: Any
+) -> tuple[Any, Restored]:
+    saved = parameters.read_config(location)
+    step_dir = location.root / str(location.step)
+    if saved is not None and config is not None:
+        _check_model(saved, config, step_dir)
+    params = parameters.read_params(location, canonical_params, shardings)
+    items = {"config": saved or {}}
+    return params, Restored(location.step, step_dir, {"params": params}, items)
 
 
 # ----------------------------------------------------------------------------------- the seams

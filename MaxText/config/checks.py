@@ -19,7 +19,8 @@ PROFILERS = ("", "xplane")
 
 def validate_attention_and_profiler(v: dict[str, Any]) -> None:
     """`attention`, `attention_block_size`, `profiler`, `profiler_steps`,
-    `skip_first_n_steps_for_profiler` (whether cudnn_flash has a GPU: `devices.setup`)."""
+    `skip_first_n_steps_for_profiler`; cudnn_flash's dtype and packed rows (whether it has a GPU:
+    `devices.setup`)."""
     if v["attention"] not in ATTENTION_KERNELS:
         match = difflib.get_close_matches(v["attention"], ATTENTION_KERNELS, n=1, cutoff=0.5)
         hint = f"; did you mean '{match[0]}'?" if match else ""
@@ -28,6 +29,17 @@ def validate_attention_and_profiler(v: dict[str, Any]) -> None:
         )
     if v["attention_block_size"] < 1:
         raise ConfigError(f"attention_block_size={v['attention_block_size']}: must be >= 1")
+    if v["attention"] == "cudnn_flash" and v["dtype"] == "float32":
+        raise ConfigError(
+            "attention=cudnn_flash needs dtype=bfloat16 or float16 (cuDNN flash attention has no "
+            "float32 kernel); set dtype=bfloat16, or keep float32 with attention=chunked"
+        )
+    if v["attention"] == "cudnn_flash" and v["dataset_type"] == "grain" and v["packing"]:
+        raise ConfigError(
+            "attention=cudnn_flash cannot keep packed documents apart (JAX's public API has no "
+            "segment ids for it; a [L, L] mask would become a dense bias); use attention=chunked "
+            "with packing, or packing=false"
+        )
     if v["profiler"] == "nsys":
         raise ConfigError(
             "profiler=nsys is not supported here: run train.py under `nsys profile` yourself, "
@@ -47,9 +59,9 @@ def validate_attention_and_profiler(v: dict[str, Any]) -> None:
 
 # MaxText's tokenizer_type values this trainer does not read, with the reason.
 UNSUPPORTED_TOKENIZER_TYPES = {
-    "huggingface": "only sentencepiece models are read (tokenizer_path=*.model)",
-    "tiktoken": "only sentencepiece models are read (tokenizer_path=*.model)",
+    "tiktoken": "read Llama 3's tokenizer.json with tokenizer_type=huggingface instead",
 }
+TOKENIZER_TYPES = ("sentencepiece", "huggingface")
 
 
 def validate_data(v: dict[str, Any]) -> None:
@@ -59,8 +71,15 @@ def validate_data(v: dict[str, Any]) -> None:
             f"tokenizer_type={v['tokenizer_type']} is not supported here: "
             f"{UNSUPPORTED_TOKENIZER_TYPES[v['tokenizer_type']]}"
         )
-    if v["tokenizer_type"] != "sentencepiece":
-        raise ConfigError(f"tokenizer_type={v['tokenizer_type']} is not one of sentencepiece")
+    if v["tokenizer_type"] not in TOKENIZER_TYPES:
+        raise ConfigError(
+            f"tokenizer_type={v['tokenizer_type']} is not one of {' | '.join(TOKENIZER_TYPES)}"
+        )
+    if v["tokenizer_type"] == "huggingface" and not v["tokenizer_path"]:
+        raise ConfigError(
+            "tokenizer_type=huggingface needs tokenizer_path= (a tokenizer.json file, or the "
+            "Hugging Face folder holding it)"
+        )
     if v["grain_worker_count"] < 0:
         raise ConfigError(f"grain_worker_count={v['grain_worker_count']}: must be >= 0")
     if v["dataset_type"] == "grain" and not v["grain_train_files"]:
@@ -79,4 +98,27 @@ def validate_data(v: dict[str, Any]) -> None:
         raise ConfigError(
             f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
             "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )
+
+
+# ------------------------------------------------------------------------------------- RoPE keys
+
+
+def validate_rope(v: dict[str, Any]) -> None:
+    """`rope_max_timescale` and the llama3.1 scaling keys (used only with rope_type=llama3.1)."""
+    if v["rope_max_timescale"] <= 1:
+        raise ConfigError(f"rope_max_timescale={v['rope_max_timescale']}: must be > 1")
+    if v["rope_type"] != "llama3.1":
+        return
+    if v["rope_scaling_factor"] < 1:
+        raise ConfigError(f"rope_scaling_factor={v['rope_scaling_factor']}: must be >= 1")
+    if not 0 < v["rope_low_freq_factor"] < v["rope_high_freq_factor"]:
+        raise ConfigError(
+            f"rope_low_freq_factor={v['rope_low_freq_factor']} and rope_high_freq_factor="
+            f"{v['rope_high_freq_factor']}: need 0 < low < high"
+        )
+    if v["rope_original_max_position_embeddings"] < 1:
+        raise ConfigError(
+            f"rope_original_max_position_embeddings={v['rope_original_max_position_embeddings']}"
+            ": must be >= 1"
         )

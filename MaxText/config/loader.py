@@ -2,7 +2,9 @@
 
 `load_config(argv)` reads `argv[0]` (a YAML file, usually `configs/base.yml`), merges the preset
 `configs/models/<model_name>.yml`, then the `key=value` overrides in `argv[1:]` (the command line
-wins over the preset, the preset over the base file). Values are parsed as YAML scalars and checked
+wins over the preset, the preset over the base file). With `load_parameters_path=` the model keys
+saved with that checkpoint come in between (command line > checkpoint > YAML; see
+`checkpoint_keys.py`). Values are parsed as YAML scalars and checked
 against the field's type. Unknown keys, wrong types and impossible combinations raise `ConfigError`
 with one line saying what is wrong and how to fix it; `train.py` turns that into exit code 2.
 
@@ -25,10 +27,12 @@ from typing import Any
 
 import yaml
 
+from MaxText.config.checkpoint_keys import checkpoint_values
 from MaxText.config.checks import (  # noqa: F401  (ATTENTION_KERNELS: re-exported)
     ATTENTION_KERNELS,
     validate_attention_and_profiler,
     validate_data,
+    validate_rope,
 )
 from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, resolve_parallelism
@@ -60,6 +64,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "remat_policy": (*REMAT_POLICIES, "auto"),
     "dataset_type": ("text", "synthetic", "tfds", "grain"),
     "decode_sampling_strategy": ("greedy", "weighted", "topk"),
+    "rope_type": ("default", "llama3.1"),
+    "hf_output_dtype": ("", "bfloat16", "float32", "float16"),
 }
 
 
@@ -109,6 +115,11 @@ class Config:
     logits_via_embedding: bool
     normalization_layer_epsilon: float
     rope_max_timescale: float
+    rope_type: str
+    rope_scaling_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position_embeddings: int
     dtype: str
     weight_dtype: str
     remat_policy: str
@@ -146,6 +157,8 @@ class Config:
     eval_split: str
     tokenizer_path: str
     tokenizer_type: str
+    add_bos: bool
+    add_eos: bool
     eval_split_fraction: float
     data_shuffle_seed: int
     packing: bool
@@ -160,6 +173,11 @@ class Config:
     decode_sampling_strategy: str
     decode_sampling_temperature: float
     decode_sampling_top_k: int
+    # Hugging Face checkpoints
+    hf_model_path: str
+    hf_output_path: str
+    hf_output_dtype: str
+    hf_max_shard_mb: float
     # attention kernel and profiler (MaxText's keys; validated in checks.py)
     attention: str
     attention_block_size: int
@@ -170,6 +188,7 @@ class Config:
     global_parameter_scale: int
     override_model_config: bool
     hardware: str
+    allow_cpu_fallback: bool  # train on CPU although nvidia-smi lists GPUs (cluster/gpu_host.py)
     dcn_data_parallelism: int
     dcn_fsdp_parallelism: int
     dcn_tensor_parallelism: int
@@ -460,6 +479,7 @@ def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str,
     if v["per_device_batch_size"] <= 0:
         raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: must be > 0")
     validate_data(v)
+    validate_rope(v)
     resolve_parallelism(v, None)
     for axis in MESH_AXES:
         v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
@@ -547,6 +567,15 @@ def load_config(argv: Sequence[str]) -> Config:
         preset = _read_yaml(preset_path)
         preset.pop("model_name", None)
         values.update(preset)
+    # load_parameters_path: the checkpoint's model keys sit between the YAML files and the
+    # command line (MaxText/config/checkpoint_keys.py)
+    parameters_path = overrides.get("load_parameters_path", values.get("load_parameters_path"))
+    if parameters_path and parameters_path[0]:
+        path = str(parameters_path[0])
+        if not Path(path).exists():
+            raise ConfigError(f"load_parameters_path={path} does not exist")
+        source = f"checkpoint {path}"
+        values.update({k: (v, source) for k, v in checkpoint_values(path).items()})
     values.update(overrides)
 
     missing = [k for k in key_fields() if k not in values]

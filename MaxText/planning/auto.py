@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from MaxText.errors import ConfigError
 from MaxText.planning.cost_model import Plan, plan_pipelined, plan_spmd
 from MaxText.planning.hardware import Hardware, local_hardware
 
@@ -267,6 +268,20 @@ def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None)
     return chosen, keys, base if same == planned else None
 
 
+def _refuse_several_processes(config) -> None:
+    """The planner reads every group's compiled programs; under several processes each process
+    compiles only its own groups' (and all must decide alike), so pipelined `auto` keys are
+    decided beforehand on one host."""
+    import jax
+
+    if config.is_pipelined and jax.process_count() > 1:
+        raise ConfigError(
+            f"'auto' pipeline keys need the planner, which compiles every pipeline group in one "
+            f"process, but this run has {jax.process_count()} processes; run `python -m "
+            "MaxText.plan` with the same arguments on one host and pass the keys it chose"
+        )
+
+
 def resolve_auto(argv, config, hardware: Hardware | None = None):
     """The trainer's config with every "auto" key decided, in the planner's order: schedule and
     microbatches (`resolve_schedule`), then the split and remat per stage of that schedule
@@ -277,6 +292,7 @@ def resolve_auto(argv, config, hardware: Hardware | None = None):
     split_auto = config.is_pipelined and config.pipeline_stage_layers == "auto"
     if not (config.schedule_auto or config.microbatches_auto or split_auto or config.remat_auto):
         return config
+    _refuse_several_processes(config)
     hardware = hardware or local_hardware(config)
     config, keys, base = resolve_schedule(argv, config, hardware)
     if not config.is_pipelined:

@@ -3,7 +3,8 @@
 One Python thread issues every instruction in program order; JAX's asynchronous dispatch lets
 groups run concurrently (a task waits only on its inputs). Transfers copy each shard to the
 target group's matching device (runs of consecutive transfers in one runtime call,
-`jax_compat.copy_shards`; `jax.device_put` when the layouts differ); deletes free buffers
+`jax_compat.copy_shards`; `jax.device_put` when the layouts differ); transfers to another
+process go by batches, one collective program each (`transfer.py`); deletes free buffers
 deterministically.
 
 Each step returns the logical memory report of `memory.replay` (bytes alive per group after
@@ -24,7 +25,7 @@ import jax
 
 from jaxpp_integration.compiler.program import Delete, Fill, Program, Run, Transfer
 from jaxpp_integration.jax_compat import copy_shards, same_shard_layout
-from jaxpp_integration.runtime.transfer import cross_process_transfer
+from jaxpp_integration.runtime.transfer import plan_cross_process
 from jaxpp_integration.tools import memory
 
 
@@ -36,16 +37,15 @@ def execute(
     *,
     record_times=False,
     local_ranks=None,
-    mpmd_axis=None,
     watchdog=None,
 ):
     """Runs `prog`. `inputs` maps input slots to arrays already on their groups.
 
-    Multi-controller: only `local_ranks` run here; a transfer between a local and a remote group
-    is a collective both processes issue in program order. The byte accounting is kept for
-    every group alike (it is computed from shapes, not read off devices). A `watchdog`
-    (several processes, `pipeline_hang_timeout_s`) is told each instruction as it is dispatched
-    and is handed every cross-process transfer's result."""
+    Multi-controller: only `local_ranks` run here; transfers between a local and a remote group
+    are collectives both processes issue in program order, one per batch (`prepare`). The byte
+    accounting is kept for every group alike (computed from shapes, not read off devices). A
+    `watchdog` (several processes, `pipeline_hang_timeout_s`) is told each instruction as it is
+    dispatched and is handed every cross-process batch's result."""
     if local_ranks is None:
         local_ranks = frozenset(range(prog.mpmd_dim))
     regs: list = [None] * len(prog.slot_rank)
@@ -81,15 +81,10 @@ def execute(
                     moved = copy_shards(srcs, dsts) if fast else jax.device_put(srcs, dsts)
                     for t, v in zip(batch, moved):
                         regs[t.dst] = v
-            elif src_here or dst_here:
-                regs[ins.dst] = cross_process_transfer(
-                    regs[ins.src] if src_here else None,
-                    slot_sharding[ins.src],
-                    slot_sharding[ins.dst],
-                    prog.slot_aval[ins.dst],
-                    mpmd_axis,
-                    on_issue=None if watchdog is None else lambda a, i=idx: watchdog.watch(i, a),
-                )
+            elif (src_here or dst_here) and idx in prog.cross_batches:
+                issued = _cross_process(prog.cross_batches[idx], regs)
+                if watchdog is not None:
+                    watchdog.watch(idx, issued)
         elif isinstance(ins, Fill):
             if ins.rank in local_ranks:  # a fresh buffer (on CPU it could alias host memory
                 # the program keeps, which the first accumulation then could not donate)
@@ -106,6 +101,18 @@ def execute(
     outputs = [{r: regs[s] for r, s in slots.items()} for slots in prog.outputs]
     report = memory.replay(prog, prog.slot_bytes, input_slots=inputs)
     return outputs, report, events
+
+
+def _cross_process(planned, regs):
+    """Runs one batch of cross-process transfers (`transfer.plan_cross_process`): reads the sent
+    values, stores the received ones; returns the collective's output (for the watchdog). The
+    batch's later transfers are not in `prog.cross_batches`, so the walk skips them."""
+    transfers, batch = planned
+    received, issued = batch([regs[t.src] for t in transfers] if batch.sending else None)
+    if received is not None:
+        for t, v in zip(transfers, received):
+            regs[t.dst] = v
+    return issued
 
 
 @dataclasses.dataclass
@@ -167,9 +174,11 @@ def measuring_device_bytes():
         _DEVICE_PROBE.reset(token)
 
 
-def prepare(prog: Program, slot_sharding, local_ranks) -> None:
-    """Puts the program's constants on this process's groups once, sizes every slot, and groups
-    runs of consecutive local transfers so each run is one copy call."""
+def prepare(prog: Program, slot_sharding, local_ranks, owners=None, mpmd_axis=None) -> None:
+    """Puts the program's constants on this process's groups once, sizes every slot, groups
+    runs of consecutive local transfers so each run is one copy call, and (several processes:
+    `owners[r]` is the process of group r) plans the batches of cross-process transfers, which
+    compiles their programs and allocates their receive buffers."""
     prog.slot_bytes = [memory.slot_nbytes(a) for a in prog.slot_aval]
     prog.slot_producer = {s: ins for ins in prog.instrs if isinstance(ins, Run) for s in ins.outs}
     prog.transfer_batches = {}
@@ -196,6 +205,9 @@ def prepare(prog: Program, slot_sharding, local_ranks) -> None:
         )
         for start, batch in prog.transfer_batches.items()
     }
+    prog.cross_batches = {}
+    if owners is not None and len(set(owners)) > 1:
+        prog.cross_batches = plan_cross_process(prog, slot_sharding, owners, local_ranks, mpmd_axis)
     prog.constants_on_device = {
         s: jax.device_put(v, slot_sharding[s])
         for s, v in prog.constants.items()
