@@ -136,8 +136,11 @@ def _supervise(procs: list[subprocess.Popen], received: list[int], timeout: floa
         p.wait()
     for t in pumps:
         t.join(timeout=5)
-    if code == 0:
-        code = next((exit_codes.from_returncode(p.returncode) for p in procs if p.returncode), 0)
+    if code == 0:  # every process ended by itself: the first failure is the launcher's code
+        failed = [p for p in procs if p.returncode]
+        if failed:
+            code = exit_codes.from_returncode(failed[0].returncode)
+            print(f"[launch] process {procs.index(failed[0])} exited with {code}", flush=True)
     return code
 
 

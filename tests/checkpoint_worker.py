@@ -9,8 +9,8 @@ renaming it to `<step>`. This replaces that final rename, for `<step>` only, by 
 save is written but not finalized (training goes on meanwhile, on the main thread).
 
 `fill`: right before the save of `<step>` starts, a file `<folder>/filler` is written until the
-filesystem holding `<folder>` is full (ENOSPC), so that save fails on a really full disk; the line
-`FILLED <step>` is printed first. Used by tests/test_checkpointing.py and
+filesystem holding `<folder>` is full (ENOSPC), so that save fails on a really full disk; then
+the line `FILLED <step>` is printed. Used by tests/test_checkpointing.py and
 tests/test_checkpoint_faults.py.
 """
 
@@ -20,6 +20,7 @@ import errno
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def fill(folder: Path) -> None:

@@ -174,9 +174,7 @@ def test_a_damaged_chunk_is_a_data_error_naming_the_shard(prepared, tmp_path, wo
     finally:
         data.close()
     assert str(failed.value).startswith(f"{target}: record ")
-    assert "is unreadable (Corrupted Riegeli/records file: chunk header hash mismatch" in str(
-        failed.value
-    )
+    assert "is unreadable (Corrupted Riegeli/records file: " in str(failed.value)
 
 
 # ------------------------------------------------------------------------------------- packing
