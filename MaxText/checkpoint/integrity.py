@@ -20,7 +20,9 @@ complete checkpoint always has its record). `verify_checksums` reads every file 
 restore and raises `UnreadableCheckpointError` naming the first file whose size or checksum
 differs, so a flipped byte in a same-size file counts as damage. A checkpoint without a record
 (written before this version) is checked by reading every stored array chunk instead
-(`verify_arrays`).
+(`verify_arrays`). Under several processes the primary process records the checksums (after
+orbax's barrier, so it reads every process's files once; files are read on up to 8 threads) and
+every process verifies them before it restores.
 `check_files` parses the metadata files first, so damage shows as one line instead of orbax's
 asyncio tracebacks.
 """

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from MaxText import exit_codes
@@ -73,6 +74,8 @@ class StopRequests:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequests:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only: the caller there handles them
         for s in SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
         return self
