@@ -9,11 +9,12 @@
 | 128+N | stopped after handling signal N: 143 for SIGTERM, 130 for SIGINT (Ctrl-C)           |
 
 `train.py`, `python -m MaxText.plan`, `MaxText.generate`, `MaxText.launch` and
-`MaxText.data.prepare` follow it (`tests/test_exit_codes.py` runs each). A new tool wraps its body
-in `run(...)`: an error type that carries `label` and `exit_code` class attributes (`ConfigError`,
-`PathError`, `StorageError`, `DataError`, ...) is printed as one line `<label>: <first line of the
-message>` on stderr and its code returned; Ctrl-C outside a handled loop is one line and 130; any
-other exception is a bug and keeps its traceback.
+`MaxText.data.prepare`, `MaxText.to_maxtext` and `MaxText.to_huggingface` follow it
+(`tests/test_exit_codes.py` runs each). A new tool wraps its body in `run(...)`: an error type that
+carries `prefix` and `exit_code` class attributes (every `UserError`: `ConfigError`,
+`CheckpointError`, `PathError`; `DataError`; `StorageError`, ...) is printed as one line
+`<prefix>: <first line of the message>` on stderr and its code returned; Ctrl-C outside a handled
+loop is one line and 130; any other exception is a bug and keeps its traceback.
 
 This module is standard library only, so every layer of the trainer can use it.
 """
@@ -49,11 +50,11 @@ def first_line(e: BaseException) -> str:
 def exit_code_of(e: BaseException) -> int | None:
     """The table's code for a user-facing error type, None for anything else (a bug)."""
     code = getattr(type(e), "exit_code", None)
-    return code if isinstance(code, int) and getattr(type(e), "label", None) else None
+    return code if isinstance(code, int) and getattr(type(e), "prefix", None) else None
 
 
 def report(e: BaseException, *, debug: bool = False) -> int | None:
-    """Prints `<label>: <message>` (one line, stderr) for a user-facing error; returns its code.
+    """Prints `<prefix>: <message>` (one line, stderr) for a user-facing error; returns its code.
 
     With `debug` the traceback is printed first. Returns None (printing nothing) for other
     exceptions, which the caller re-raises.
@@ -63,7 +64,7 @@ def report(e: BaseException, *, debug: bool = False) -> int | None:
         return None
     if debug:
         traceback.print_exception(e)
-    print(f"{type(e).label}: {first_line(e)}", file=sys.stderr, flush=True)
+    print(f"{type(e).prefix}: {first_line(e)}", file=sys.stderr, flush=True)
     return code
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from MaxText import exit_codes
 from MaxText.checkpoint import manager as checkpointing
 from MaxText.cluster import devices, xla_flags
-from MaxText.config import Config, ConfigError, load_config
+from MaxText.config import ALIASES, Config, ConfigError, load_config
 from MaxText.model import Decoder, init_cache
 
 log = logging.getLogger("MaxText")
@@ -111,7 +111,8 @@ def generation_config(argv: Sequence[str]) -> tuple[Config, str]:
     source = cli.load_parameters_path or cli.output_dir
     step, saved = checkpointing.saved_config(source)
     user = [t for t in argv[1:] if t.split("=", 1)[0].strip() not in _IGNORED]
-    from_checkpoint = [_token(k, saved[k]) for k in SAVED_KEYS if k in saved]
+    given = {ALIASES.get(k, k) for k in (t.split("=", 1)[0].strip() for t in user)}
+    from_checkpoint = [_token(k, saved[k]) for k in SAVED_KEYS if k in saved and k not in given]
     forced = [_token(k, v) for k, v in ONE_DEVICE.items()]
     config = load_config([argv[0], *from_checkpoint, *user, *forced])
     del step
@@ -271,7 +272,7 @@ def _generate(argv: Sequence[str]) -> int:
     try:
         config, source = generation_config(argv)
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
-        devices.setup(**config.device_args())
+        config, _ = devices.start(config)
         if config.tokenizer_path:  # a tokenizer file (e.g. a converted Hugging Face model's)
             from MaxText.data.tokenizer import load_tokenizer
 

@@ -28,7 +28,7 @@ from MaxText import exit_codes
 from MaxText.cluster.compile_cache import compilation_cache
 from MaxText.cluster.output_paths import writable_file
 from MaxText.planning.auto import describe_remat, make_plan, resolve_schedule
-from MaxText.planning.cost_model import Plan, byte_unit, format_bytes
+from MaxText.planning.cost_model import Plan, byte_unit, describe_gradients, format_bytes
 from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
 
 
@@ -57,6 +57,8 @@ def format_plan(plan: Plan) -> str:
         f"predicted step {p['step_time_s']:.3f} s, bubble {100 * p['bubble']:.1f}%, "
         f"MFU {100 * p['mfu']:.1f}%"
     )
+    if plan.gradients is not None:
+        rows.append(describe_gradients(plan.gradients))
     if plan.remat is not None:
         rows.append(describe_remat(plan.remat))
     elif plan.stage_remat and len(set(plan.stage_remat)) > 1:
@@ -116,7 +118,7 @@ def _plan(args, rest) -> int:
     if args.json_path:
         writable_file(args.json_path, "--json")
     xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
-    devices.setup(**config.device_args())
+    config, _ = devices.start(config)
     hardware = HARDWARE.get(args.hardware) or cpu_hardware(config.num_devices)
     overrides = {
         "memory_bytes": args.memory_gb and args.memory_gb * GB,
@@ -129,7 +131,7 @@ def _plan(args, rest) -> int:
         hardware, **{k: v for k, v in overrides.items() if v is not None}
     )
     with compilation_cache(config.jax_cache_dir):
-        config, _, base = resolve_schedule(rest, config, hardware)
+        config, base = resolve_schedule(config, hardware)
         plan = make_plan(config, hardware, base)
     print(format_plan(plan))
     if args.json_path:

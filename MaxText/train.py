@@ -56,7 +56,7 @@ log = logging.getLogger("MaxText")
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN or infinite."""
 
-    label = "error"
+    prefix = "error"
     exit_code = exit_codes.RUN_FAILURE
 
 
@@ -317,7 +317,7 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
         debug = config.debug_tracebacks
         check_run_paths(config)  # before anything is compiled
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
-        devs = devices.setup(**config.device_args())
+        config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
         gpu_host.check_backend(
             devs[0].platform,
             hardware=config.hardware,
@@ -335,7 +335,7 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
 
     try:
         with compilation_cache(config.jax_cache_dir):
-            config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat
+            config = resolve_auto(config)  # "auto" schedule, microbatches, split, remat
             mesh = sharding.make_mesh(config, devs)
             trainer = build_trainer(config, mesh)
             last = run(config, trainer, data, stops)

@@ -104,12 +104,11 @@ def run_row(pp: int, steps: int, keys: list[str], out: Path, cpu: bool) -> int:
             *keys,
         ]
         try:
-            config = load_config(argv)
-            devs = devices.setup(**config.device_args())
+            config, devs = devices.start(load_config(argv))
         except ConfigError as e:
             return _fail(f"config error: {e}")
         with compilation_cache(config.jax_cache_dir):
-            config = resolve_auto(argv, config)  # the planner's choice for these devices
+            config = resolve_auto(config)  # the planner's choice for these devices
             trainer = build_trainer(config, sharding.make_mesh(config, devs))
             hardware = local_hardware(config)
             plan = plan_compiled(config, hardware, trainer.train_step, trainer.abstract_state)

@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpp_integration.compiler import partition as _partition
 from jaxpp_integration.compiler import placement as _placement
 from jaxpp_integration.compiler import program as _program
-from jaxpp_integration.compiler import unreduced as _unreduced
+from jaxpp_integration.compiler import reduction_plan as _reduction
 from jaxpp_integration.compiler.compile import compile_program
+from jaxpp_integration.compiler.reduction_plan import AutoReduction, ReductionChoice
 from jaxpp_integration.compiler.render import render_program
 from jaxpp_integration.frontend.array import MpmdArray
 from jaxpp_integration.frontend.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
@@ -52,6 +53,7 @@ from jaxpp_integration.tools.memory import MemoryReport
 
 __all__ = [
     "Add",
+    "AutoReduction",
     "Concat",
     "DualPipeV",
     "Eager1F1B",
@@ -146,6 +148,7 @@ class CompiledMpmdFunction:
     last_memory: MemoryReport | None = None
     last_events: list | None = None
     watchdog: Watchdog | None = None
+    reduction_choice: ReductionChoice | None = None  # what gradient_reduction decided
     input_transfers: dict = dataclasses.field(default_factory=dict)  # see `_place_input`
 
     @property
@@ -264,17 +267,13 @@ class MpmdFunction:
         out_specs=None,
         donate_argnums=(),
         compile_threads: int = 0,
-        gradient_reduction: str = "step",
+        gradient_reduction="auto",
         pipeline_hang_timeout_s: float | None = None,
         pipeline_fsdp_ag_once: bool = False,
     ):
         if not isinstance(mpmd_mesh, MpmdMesh):
             raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
-        if gradient_reduction not in GRADIENT_REDUCTIONS:
-            raise ValueError(
-                f"gradient_reduction={gradient_reduction!r} is not one of "
-                f"{', '.join(GRADIENT_REDUCTIONS)}"
-            )
+        _reduction.check_mode(gradient_reduction)
         self.gradient_reduction = gradient_reduction
         if pipeline_hang_timeout_s is not None and not pipeline_hang_timeout_s >= 0:
             raise ValueError(
@@ -315,9 +314,6 @@ class MpmdFunction:
         return c(*args)
 
 
-GRADIENT_REDUCTIONS = ("step", "microbatch")
-
-
 def mpmd_jit_with_loop(
     fn=None,
     *,
@@ -326,7 +322,7 @@ def mpmd_jit_with_loop(
     out_specs=None,
     donate_argnums=(),
     compile_threads=0,
-    gradient_reduction="step",
+    gradient_reduction="auto",
     pipeline_hang_timeout_s=None,
     pipeline_fsdp_ag_once=False,
 ):
@@ -335,10 +331,15 @@ def mpmd_jit_with_loop(
     `compile_threads > 1` compiles independent task programs concurrently (for hosts with many
     free cores, e.g. GPU hosts; on a 2-core CPU it does not pay, so the default is off).
 
-    `gradient_reduction`: "step" (default) keeps the values `treduce` adds (gradients, loss
-    sums, token counts) unreduced over the data axes on each device and reduces them once per
-    step after the loop (equal to `jax.jit` up to the order of the sums, ~1e-7 relative);
-    "microbatch" reduces them in every task instance (bitwise equal to `jax.jit`).
+    `gradient_reduction` (the values `treduce` adds: gradients, loss sums, token counts),
+    per mesh axis that splits the batch rows (`compiler/reduction_plan.py`): "auto" (default)
+    keeps them unreduced over the axes their weight is replicated on (data) and reduces them
+    once per step after the loop, and reduce-scatters them into the weight's shard every
+    microbatch over the axes it is sharded on (fsdp), unless full-size partials fit the device
+    memory (`AutoReduction(device_memory_bytes=...)` to decide for other devices than these);
+    "step" defers over every axis (full-size partials over fsdp); both equal `jax.jit` up to
+    the order of the sums (~1e-7 relative). "microbatch" reduces them in every task instance
+    (bitwise equal to `jax.jit`). `compiled.reduction_choice` says what was chosen.
 
     `pipeline_hang_timeout_s`: under several processes, a process that waits longer than this
     for a cross-process transfer prints where it is in the schedule (instruction, task,
@@ -399,12 +400,11 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
             schedule.stage_to_rank,
             [mesh.devices_of(r)[0].process_index for r in range(mesh.mpmd_dim)],
         )
-    loop_body, deferred = loop_eqn.params["body"], None
-    if f.gradient_reduction == "step":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            with mesh.lowering_mesh():
-                loop_body, deferred = _unreduced.defer_step_reductions(jaxpr, specs, mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with mesh.lowering_mesh():
+            reductions = _reduction.plan_reductions(jaxpr, specs, mesh, f.gradient_reduction)
+    loop_body, deferred = reductions.body, reductions.deferred
     body = _partition.partition_body(
         loop_body,
         loop_eqn.params["n_consts"],
@@ -432,8 +432,8 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         loop_in_need,
         deferred,
         loop_body,
-        _unreduced.gather_specs(jaxpr, specs) if f.pipeline_fsdp_ag_once else None,
-        _unreduced.reduced_specs(jaxpr, specs, deferred) if deferred else None,
+        _reduction.gather_specs(jaxpr, specs) if f.pipeline_fsdp_ag_once else None,
+        reductions.reduce_specs,
     )
     donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in f.donate_argnums}
     prog = _program.add_deletes(prog, donated)
@@ -487,6 +487,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         local,
         stats,
         watchdog=_watchdog(f.pipeline_hang_timeout_s, prog, mesh, local),
+        reduction_choice=reductions.choice,
     )
 
 

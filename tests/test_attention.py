@@ -214,7 +214,7 @@ def test_chunked_under_sharding_and_pipelining():
     """attention=chunked (scan + custom VJP) inside a sharded step (fsdp 2 x tensor 2) and a
     pipelined one (2 groups): one training step gives the one-device loss and gradient norm,
     same 4 microbatches. Not bitwise: sharded reductions sum in another order; 1e-5."""
-    from small_model import SMALL_MODEL
+    from small_model import SMALL_MODEL, merged
 
     from MaxText import sharding
     from MaxText.cluster import devices
@@ -222,7 +222,7 @@ def test_chunked_under_sharding_and_pipelining():
 
     def one_step(*overrides):
         config = load_config(
-            [
+            merged(
                 str(CONFIGS_DIR / "base.yml"),
                 *SMALL_MODEL,
                 "num_decoder_layers=2",
@@ -230,7 +230,7 @@ def test_chunked_under_sharding_and_pipelining():
                 "attention_block_size=4",
                 "num_pipeline_microbatches=4",
                 *overrides,
-            ]
+            )
         )
         trainer = build_trainer(
             config, sharding.make_mesh(config, devices.setup(**config.device_args()))

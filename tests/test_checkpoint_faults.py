@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from checkpoint_worker import fill
 from fs_faults import remount, tmpfs, without_file_permission_override
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL_SHAPE
 
 from MaxText import generate
 from MaxText.checkpoint import integrity
@@ -39,7 +39,7 @@ from MaxText.config import CONFIGS_DIR, ConfigError, load_config
 from MaxText.train import main
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = [k for k in SMALL_MODEL if not k.startswith("scan_layers")]  # default: scanned
+MODEL = SMALL_MODEL_SHAPE  # the default layout: scanned layers
 COMMON = [
     *MODEL,
     "dataset_type=synthetic",

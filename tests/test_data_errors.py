@@ -37,7 +37,7 @@ def test_data_setting_errors_exit_2_with_one_line(tmp_path, capsys, overrides, e
     [
         (
             "tokenizer_type=tiktoken",
-            "tokenizer_type=tiktoken is not supported here: read Llama 3's tokenizer.json with "
+            "not supported here: tokenizer_type=tiktoken: read Llama 3's tokenizer.json with "
             "tokenizer_type=huggingface instead",
         ),
         (

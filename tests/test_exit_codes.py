@@ -66,7 +66,7 @@ def test_the_table():
     for error, (code, line) in codes.items():
         assert exit_codes.exit_code_of(error) == code
         assert exit_codes.first_line(error) == line.split(": ", 1)[1]
-        assert f"{type(error).label}: {exit_codes.first_line(error)}" == line
+        assert f"{type(error).prefix}: {exit_codes.first_line(error)}" == line
     assert exit_codes.exit_code_of(ValueError("a bug")) is None
 
 
@@ -180,7 +180,7 @@ def test_generate_errors_exit_2(tmp_path, capsys):
     assert _one_line(capsys).startswith("config error: ")
     assert generate.main([*argv, f"load_parameters_path={afile}"]) == 2
     assert _one_line(capsys) == (
-        f"config error: {afile} is a file; give a run folder, its checkpoints folder or one "
+        f"checkpoint error: {afile} is a file; give a run folder, its checkpoints folder or one "
         f"step's folder"
     )
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL_SHAPE
 
 from MaxText.checkpoint import integrity
 from MaxText.config import CONFIGS_DIR
@@ -34,7 +34,7 @@ from MaxText.train import main
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = [k for k in SMALL_MODEL if not k.startswith("scan_layers")]  # default: scanned
+MODEL = SMALL_MODEL_SHAPE  # the default layout: scanned layers
 WORDS = "thou art the fairest rose in all of verona and yet my lord doth speak".split()
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL_SHAPE
 
 from MaxText import sharding
 from MaxText import step_clock as step_clock_lib
@@ -28,7 +28,7 @@ from MaxText.data import make_data
 from MaxText.train import TrainingDivergedError, run
 from MaxText.train_step import build_trainer
 
-MODEL = [k for k in SMALL_MODEL if not k.startswith("scan_layers")]  # default: scanned
+MODEL = SMALL_MODEL_SHAPE  # the default layout: scanned layers
 
 
 def _config(base: Path, *overrides: str):
@@ -53,8 +53,8 @@ def _config(base: Path, *overrides: str):
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
     config = _config(tmp_path_factory.mktemp("compile"))
-    mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
-    return build_trainer(config, mesh)
+    config, devs = devices.start(config)
+    return build_trainer(config, sharding.make_mesh(config, devs))
 
 
 def _instrumented(trainer, events: list, nan_at: int | None = None):

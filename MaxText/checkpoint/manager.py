@@ -50,8 +50,9 @@ part; on restore a process reads only the leaves its groups hold (orbax's placeh
 rest). Whether a step is readable is agreed by all processes: it is used only if every process
 read it, and moved aside only if none could.
 
-Errors the user can fix (a checkpoint of a different model, a different seed or dataset, every
-checkpoint unreadable) raise `ConfigError` with one line.
+Errors the user can fix raise one line: `ConfigError` when the checkpoint disagrees with the
+config (a different model, seed or dataset), `CheckpointError` when there is no readable
+checkpoint where one was asked for.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ from MaxText.checkpoint.integrity import (
 from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for, restore_args
 from MaxText.checkpoint.pending_save import PendingSave, quiet_abandoned_writes
 from MaxText.config import Config, ConfigError
-from MaxText.errors import StorageError
+from MaxText.errors import CheckpointError, StorageError, UserError
 
 # orbax is imported where it is used: importing it logs through absl, which installs a root log
 # handler when there is none yet and so would swallow the trainer's `logging.basicConfig`.
@@ -204,17 +205,18 @@ def restore_latest(
     `abstract_tree` gives the structure and shapes to read from the `state` item (all of it, or
     with `partial` a sub-tree such as `{"params": ...}`); `shardings` one sharding per leaf.
     Damaged checkpoints are skipped with a warning (and moved to `quarantine` if given).
-    Returns None when there is no checkpoint at all; raises ConfigError (ending with the advice
-    `none_readable`) when none is readable or the checkpoint holds a different model than
-    `config`, and CheckpointUnavailableError, moving nothing, when a checkpoint cannot be read
-    for a reason that is not damage (permission, I/O: see `integrity.classify`).
+    Returns None when there is no checkpoint at all; raises CheckpointError (ending with the
+    advice `none_readable`) when none is readable, ConfigError when the checkpoint holds a
+    different model than `config`, and CheckpointUnavailableError, moving nothing, when a
+    checkpoint cannot be read for a reason that is not damage (permission, I/O: see
+    `integrity.classify`).
     """
     import orbax.checkpoint as ocp
 
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
-            raise ConfigError(f"no complete checkpoint for step {step} in {directory}")
+            raise CheckpointError(f"no complete checkpoint for step {step} in {directory}")
         steps = [step]
     if not steps:
         return None
@@ -235,7 +237,7 @@ def restore_latest(
                 _check_model(meta["config"], config, step_dir)
             state = _read_state(manager, s, step_dir, treedef, items, args, partial, checked)
             restored = Restored(step=s, directory=step_dir, state=state, items=meta)
-        except ConfigError:
+        except UserError:
             raise  # the same on every process: it holds another model
         except Exception as e:  # noqa: BLE001 (storage errors only, see integrity.classify)
             kind = classify(e)
@@ -260,7 +262,7 @@ def restore_latest(
         # corrupt: the others see another filesystem or failed for another reason).
         nobody = _READ not in statuses
         _skip(step_dir, error, quarantine if nobody else None, skipped)
-    raise ConfigError(
+    raise CheckpointError(
         f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); {none_readable}"
     )
 
@@ -280,7 +282,7 @@ def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict
 
 def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
     if saved.get("format", 1) < 2 and saved.get("scan_layers"):
-        raise ConfigError(
+        raise CheckpointError(
             f"checkpoint {step_dir} was written with scan_layers=true in checkpoint format 1 "
             f"(layers stacked on disk), which this version no longer reads; re-save it with the "
             f"version that wrote it, or start a new run_name"
@@ -347,18 +349,18 @@ def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: li
 def _require_folder(path: str | os.PathLike, directory: Path) -> None:
     """A checkpoint path must be a folder: say which kind of path it is when it is not."""
     if Path(path).is_file():
-        raise ConfigError(
+        raise CheckpointError(
             f"{path} is a file; give a run folder, its checkpoints folder or one step's folder"
         )
     if not directory.is_dir():
-        raise ConfigError(f"{path} does not exist")
+        raise CheckpointError(f"{path} does not exist")
 
 
 def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
     """(step, config dict) of the newest checkpoint under `path` whose config item reads.
 
-    `path` is a run folder, its checkpoints folder, or one step's folder. Raises ConfigError when
-    there is none.
+    `path` is a run folder, its checkpoints folder, or one step's folder. Raises CheckpointError
+    when there is none.
     """
     import orbax.checkpoint as ocp
 
@@ -392,7 +394,7 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
                 log.warning("checkpoint %s is unreadable, skipping it (%s)", directory / str(s), e)
     finally:
         manager.close()
-    raise ConfigError(f"no readable checkpoint in {directory}")
+    raise CheckpointError(f"no readable checkpoint in {directory}")
 
 
 def load_params(
@@ -441,7 +443,7 @@ def read_params(
     finally:
         manager.close()
     if restored is None:
-        raise ConfigError(f"{path} holds no checkpoint")
+        raise CheckpointError(f"{path} holds no checkpoint")
     return restored.state["params"], restored
 
 

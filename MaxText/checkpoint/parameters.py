@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from MaxText.checkpoint.layout import restore_args
-from MaxText.errors import ConfigError
+from MaxText.errors import CheckpointError, ConfigError
 
 ITEM = "items"
 CONFIG_ITEM = "config"
@@ -79,7 +79,7 @@ def read_config(location: Location) -> dict[str, Any] | None:
     try:
         return json.loads(location.config_file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{location.config_file} is not valid JSON ({e})") from None
+        raise CheckpointError(f"{location.config_file} is not valid JSON ({e})") from None
 
 
 def _checkpointer():
@@ -107,7 +107,7 @@ def stored_params(item_dir: Path) -> Any:
     with _quiet_orbax():
         tree = _checkpointer().metadata(item_dir).item_metadata.tree
     if "params" not in tree:
-        raise ConfigError(f"{item_dir} holds no params")
+        raise CheckpointError(f"{item_dir} holds no params")
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree["params"])
 
 

@@ -32,6 +32,7 @@ from MaxText.config import Config, ConfigError, load_config
 from MaxText.convert import hf_config
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsWriter
+from MaxText.errors import CheckpointError
 
 log = logging.getLogger("MaxText")
 
@@ -105,7 +106,7 @@ def export(config: Config) -> Path:
     try:
         stored = parameters.stored_params(item_dir)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the parameters of {item_dir}: {e}") from None
+        raise CheckpointError(f"cannot read the parameters of {item_dir}: {e}") from None
     tensors = tensors_for(config)
     for t in tensors:
         try:

@@ -29,7 +29,7 @@ import numpy as np
 
 from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import FORMAT_VERSION
-from MaxText.config import Config, ConfigError, load_config
+from MaxText.config import ALIASES, Config, ConfigError, load_config
 from MaxText.convert import hf_config
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsError, SafetensorsReader
@@ -96,6 +96,9 @@ def import_config(argv: Sequence[str]) -> tuple[Config, Path]:
     preset = _cli_value(argv, "model_name")
     if preset is None:
         layer = [_token(k, v) for k, v in keys.items()] + layer
+    # keys the command line sets are checked against config.json below, not given twice
+    given = {ALIASES.get(k, k) for k in (t.split("=", 1)[0].strip() for t in argv[1:])}
+    layer = [t for t in layer if t.split("=", 1)[0] not in given]
     config = load_config([argv[0], *layer, *argv[1:]])
     for key, value in keys.items():
         have = getattr(config, key)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from MaxText.config import DATASET_TYPES
 from MaxText.data import cache as cache_lib
 from MaxText.data import iterator as iterator_lib
 from MaxText.data import text as text_lib
@@ -52,7 +53,6 @@ from MaxText.data.tokenizer import (
 __all__ = ["Data", "DataInfo", "Tokenizer", "make_data", "unigram_entropy_nats"]
 
 log = logging.getLogger(__name__)
-DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,6 +151,8 @@ class _Builder:
         """The layout of accumulator j: a deferred partial sum's [D, ...] split over its axes,
         else the user's `treduce(out_specs=...)` entry (None: left to XLA)."""
         axes = self.deferred[j]
+        if isinstance(axes, PartitionSpec):  # a partial scattered over fsdp: its whole layout
+            return axes
         if axes is None:
             specs = self.loop_eqn.params.get("acc_specs")
             return specs[j] if specs else None
@@ -458,7 +460,8 @@ def build_program(
     reduce_specs: list | None = None,
 ) -> Program:
     """`deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
-    `loop_body`, the rewritten body), summed once after the loop; None: reduced as it is made."""
+    `loop_body`, the rewritten body), summed once after the loop, or the PartitionSpec of such a
+    partial (`reduction_plan`); None: reduced as it is made."""
     b = _Builder(
         closed,
         placement,
