@@ -35,7 +35,8 @@ from small_model import SMALL_MODEL_SHAPE
 from MaxText import generate
 from MaxText.checkpoint import integrity
 from MaxText.checkpoint import manager as checkpointing
-from MaxText.config import CONFIGS_DIR, ConfigError, load_config
+from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.errors import CheckpointError
 from MaxText.train import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -255,7 +256,8 @@ def test_storage_errors_are_damage_or_unavailability():
 
 
 def test_another_runs_damaged_checkpoint_is_not_moved(full_run, tmp_path):
-    """load_parameters_path= names another run: its damage is reported, never moved away."""
+    """load_parameters_path= names another run: its damage is reported (a checkpoint error,
+    exit 2), never moved away."""
     base, _ = full_run
     other = tmp_path / "other"
     shutil.copytree(base / "full", other)
@@ -263,7 +265,7 @@ def test_another_runs_damaged_checkpoint_is_not_moved(full_run, tmp_path):
         (other / "checkpoints" / step / "state" / "manifest.ocdbt").unlink()
     before = snapshot(other)
     config = load_config(argv(tmp_path, "new", f"load_parameters_path={other}"))
-    with pytest.raises(ConfigError) as failed:
+    with pytest.raises(CheckpointError) as failed:
         checkpointing.load_params(other, generate.abstract_params(config), config)
     assert str(failed.value) == (
         f"no readable checkpoint in {other / 'checkpoints'} (skipped 10, 5); {other} belongs to "

@@ -177,7 +177,7 @@ def test_generate_errors_exit_2(tmp_path, capsys):
     afile.write_text("x")
     argv = [*BASE, f"base_output_directory={tmp_path}", "run_name=none"]
     assert generate.main(argv) == 2
-    assert _one_line(capsys).startswith("config error: ")
+    assert _one_line(capsys) == f"checkpoint error: {tmp_path / 'none'} does not exist"
     assert generate.main([*argv, f"load_parameters_path={afile}"]) == 2
     assert _one_line(capsys) == (
         f"checkpoint error: {afile} is a file; give a run folder, its checkpoints folder or one "
