@@ -30,6 +30,7 @@ from small_model import SMALL_MODEL, merged
 
 from MaxText import sharding
 from MaxText.checkpoint import manager as checkpointing
+from MaxText.checkpoint import restore as checkpoint_restore
 from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.data import make_data
@@ -215,9 +216,9 @@ def test_a_bug_in_restore_propagates_and_moves_nothing(spmd_full, tmp_path, monk
         raise TypeError("a bug in the restore path")
 
     target = {
-        "read_state": (checkpointing, "_read_state"),
+        "read_state": (checkpoint_restore, "_read_state"),
         "orbax_restore": (ocp.CheckpointManager, "restore"),
-        "check_model": (checkpointing, "_check_model"),
+        "check_model": (checkpoint_restore, "check_model"),
     }[where]
     monkeypatch.setattr(*target, bug)
     with pytest.raises(TypeError, match="a bug in the restore path"):

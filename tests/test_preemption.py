@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from small_model import SMALL_MODEL_SHAPE
+from small_model import SMALL_MODEL_SHAPE, merged
 
 from MaxText.checkpoint import integrity
 from MaxText.config import CONFIGS_DIR
@@ -52,7 +52,7 @@ def shards(tmp_path_factory):
 
 
 def argv(shards: Path, base: Path, *overrides: str) -> list[str]:
-    return [
+    return merged(
         str(CONFIGS_DIR / "base.yml"),
         *MODEL,
         "vocab_size=512",
@@ -68,7 +68,7 @@ def argv(shards: Path, base: Path, *overrides: str) -> list[str]:
         f"base_output_directory={base}",
         "run_name=run",
         *overrides,
-    ]
+    )
 
 
 def losses(base: Path) -> dict[int, float]:

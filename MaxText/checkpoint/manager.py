@@ -33,15 +33,16 @@ read it.
 only when every item is written (and its `checksums.json` recorded), so a killed save never looks
 complete; leftover temporary folders are removed when the next run opens the manager. Before a
 checkpoint is restored every file is checked against its checksum (older checkpoints without a
-record: every stored array chunk is read once) and its metadata files are parsed
-(`integrity.py`). A damaged checkpoint (missing, truncated or altered file) is skipped with a
-warning naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and
-the previous one is used. A checkpoint that cannot be read for another storage reason (permission
-denied, EIO, ...) is not damaged: the run stops with one line (`CheckpointUnavailableError`,
-exit 1) and nothing is moved. Any other exception is a bug, propagates with its traceback and
-moves nothing. A save that fails (disk full, permission) stops the run with one line naming the
-step, the errno and the newest checkpoint on disk (`PendingSave`, `StorageError`, exit 1); an
-async save's failure is found at the next step (`check`).
+record: every stored array chunk is read once) and its metadata files are parsed (`integrity.py`;
+the walk over the steps is `restore.py`). A damaged checkpoint (missing, truncated or altered
+file) is skipped with a warning naming it, moved to `{run}/checkpoints_corrupt/` (so the step can
+be written again), and the previous one is used. A checkpoint that cannot be read for another
+storage reason (permission denied, EIO, ...) is not damaged: the run stops with one line
+(`CheckpointUnavailableError`, exit 1) and nothing is moved. Any other exception is a bug,
+propagates with its traceback and moves nothing. A save that fails (disk full, permission) stops
+the run with one line naming the step, the errno and the newest checkpoint on disk
+(`PendingSave`, `StorageError`, exit 1); an async save's failure is found at the next step
+(`check`).
 
 **Several processes** (`num_processes>1`): every process opens the same manager (a folder all of
 them see) and saves collectively. orbax writes only arrays that span processes, so a pipelined
@@ -58,11 +59,8 @@ checkpoint where one was asked for.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 import logging
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,15 +77,18 @@ from MaxText.checkpoint.integrity import (
     check_files,
     classify,
     describe_failure,
-    first_cause_line,
     is_storage_error,  # noqa: F401 (part of this module's interface)
-    verify_arrays,
-    verify_checksums,
 )
-from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for, restore_args
+from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for
 from MaxText.checkpoint.pending_save import PendingSave, quiet_abandoned_writes
+from MaxText.checkpoint.restore import (  # noqa: F401 (MODEL_KEYS: part of this module's interface)
+    MODEL_KEYS,
+    Restored,
+    check_model,
+    restore_latest,
+)
 from MaxText.config import Config, ConfigError
-from MaxText.errors import CheckpointError, StorageError, UserError
+from MaxText.errors import CheckpointError, StorageError
 
 # orbax is imported where it is used: importing it logs through absl, which installs a root log
 # handler when there is none yet and so would swallow the trainer's `logging.basicConfig`.
@@ -99,18 +100,6 @@ FORMAT_VERSION = 2
 ITEMS = ("state", "data_iter", "rng", "config")
 CORRUPT_DIR = "checkpoints_corrupt"
 
-# Keys that fix the shapes of the saved arrays: a checkpoint restores only into the same model.
-MODEL_KEYS = (
-    "decoder_block",
-    "num_decoder_layers",
-    "emb_dim",
-    "num_query_heads",
-    "num_kv_heads",
-    "head_dim",
-    "mlp_dim",
-    "vocab_size",
-    "logits_via_embedding",
-)
 # Keys that describe how a run is laid out on devices; they may change between save and restore.
 LAYOUT_KEYS = (
     "ici_data_parallelism",
@@ -176,174 +165,6 @@ def find_step_dir(path: str | os.PathLike) -> tuple[Path, int | None]:
     if (p / "checkpoints").is_dir():  # a run folder
         return p / "checkpoints", None
     return p, None
-
-
-@dataclasses.dataclass
-class Restored:
-    step: int
-    directory: Path
-    state: Any  # the requested part of the state tree, placed
-    items: dict[str, Any]  # the JSON items read ("config", "rng", "data_iter")
-
-
-def restore_latest(
-    manager: Any,
-    directory: Path,
-    abstract_tree: Any,
-    shardings: Sequence[Any],
-    *,
-    config: Config | None,
-    step: int | None = None,
-    json_items: Sequence[str] = ("config", "rng", "data_iter"),
-    partial: bool = False,
-    restore_as_numpy: bool = False,
-    quarantine: Path | None = None,
-    none_readable: str = "move the folder away to start the run from scratch",
-) -> Restored | None:
-    """Reads the newest readable checkpoint of `manager` (or exactly `step`).
-
-    `abstract_tree` gives the structure and shapes to read from the `state` item (all of it, or
-    with `partial` a sub-tree such as `{"params": ...}`); `shardings` one sharding per leaf.
-    Damaged checkpoints are skipped with a warning (and moved to `quarantine` if given).
-    Returns None when there is no checkpoint at all; raises CheckpointError (ending with the
-    advice `none_readable`) when none is readable, ConfigError when the checkpoint holds a
-    different model than `config`, and CheckpointUnavailableError, moving nothing, when a
-    checkpoint cannot be read for a reason that is not damage (permission, I/O: see
-    `integrity.classify`).
-    """
-    import orbax.checkpoint as ocp
-
-    steps = sorted(manager.all_steps(), reverse=True)
-    if step is not None:
-        if step not in steps:
-            raise CheckpointError(f"no complete checkpoint for step {step} in {directory}")
-        steps = [step]
-    if not steps:
-        return None
-    leaves, treedef = jax.tree.flatten(abstract_tree)
-    if restore_as_numpy:
-        items, args = leaves, [ocp.RestoreArgs(restore_type=np.ndarray) for _ in leaves]
-    else:
-        items, args = restore_args(leaves, shardings)
-    skipped = []
-    for s in steps:
-        step_dir = directory / str(s)
-        restored = error = None
-        status = _READ
-        try:
-            checked = verify_checksums(step_dir)
-            meta = _read_json(manager, s, step_dir, json_items)
-            if config is not None and "config" in meta:
-                _check_model(meta["config"], config, step_dir)
-            state = _read_state(manager, s, step_dir, treedef, items, args, partial, checked)
-            restored = Restored(step=s, directory=step_dir, state=state, items=meta)
-        except UserError:
-            raise  # the same on every process: it holds another model
-        except Exception as e:  # noqa: BLE001 (storage errors only, see integrity.classify)
-            kind = classify(e)
-            if kind is None:
-                raise  # a bug, not a damaged checkpoint: nothing is skipped or moved
-            error, status = e, (_UNAVAILABLE if kind == UNAVAILABLE else _DAMAGED)
-        statuses = _gather(status)
-        if _UNAVAILABLE in statuses:
-            who = "" if jax.process_count() == 1 else f" (process {statuses.index(_UNAVAILABLE)})"
-            reason = describe_failure(error) if status == _UNAVAILABLE else "on another process"
-            raise CheckpointUnavailableError(
-                f"cannot read checkpoint {step_dir}{who}: {reason}; it is not damaged, so "
-                f"nothing was moved: fix the storage or its permissions and run again"
-            )
-        if all(x == _READ for x in statuses):
-            if skipped:
-                manager.reload()
-            return restored
-        if error is None:
-            error = RuntimeError("another process could not read it")
-        # Moved aside only when no process could read it (a checkpoint one process reads is not
-        # corrupt: the others see another filesystem or failed for another reason).
-        nobody = _READ not in statuses
-        _skip(step_dir, error, quarantine if nobody else None, skipped)
-    raise CheckpointError(
-        f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); {none_readable}"
-    )
-
-
-_READ, _DAMAGED, _UNAVAILABLE = 0, 1, 2
-
-
-def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict[str, Any]:
-    import orbax.checkpoint as ocp
-
-    check_files(step_dir, names, state=False)
-    got = manager.restore(
-        step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in names})
-    )
-    return {k: got[k] for k in names}
-
-
-def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
-    if saved.get("format", 1) < 2 and saved.get("scan_layers"):
-        raise CheckpointError(
-            f"checkpoint {step_dir} was written with scan_layers=true in checkpoint format 1 "
-            f"(layers stacked on disk), which this version no longer reads; re-save it with the "
-            f"version that wrote it, or start a new run_name"
-        )
-    wrong = [
-        f"{k}={saved.get(k)!r} in the checkpoint vs {getattr(config, k)!r} now"
-        for k in MODEL_KEYS
-        if saved.get(k) != getattr(config, k)
-    ]
-    if wrong:
-        raise ConfigError(
-            f"checkpoint {step_dir} holds a different model: {'; '.join(wrong)}; "
-            f"use the same model keys or another run_name"
-        )
-
-
-def _read_state(manager, step, step_dir, treedef, items, args, partial: bool, checked: bool) -> Any:
-    """The `state` item's arrays. Unless its files were `checked` against their checksums, every
-    stored chunk is read once first (`verify_arrays`), so damage is one line, not orbax's noise."""
-    import orbax.checkpoint as ocp
-
-    check_files(step_dir, (), state=True)
-    if not checked:
-        verify_arrays(step_dir / "state", "params." if partial else "")
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=jax.tree.unflatten(treedef, items),
-                restore_args=jax.tree.unflatten(treedef, args),
-                partial_restore=partial,
-            )
-        ),
-    )["state"]
-    return jax.tree.unflatten(treedef, jax.tree.leaves(restored))
-
-
-def _gather(value: int) -> list[int]:
-    """`value` of every process, by process index (each process calls this in the same order)."""
-    if jax.process_count() == 1:
-        return [value]
-    from jax.experimental import multihost_utils
-
-    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value)))]
-
-
-def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: list[str]) -> None:
-    skipped.append(step_dir.name)
-    where = ""
-    if quarantine is not None and jax.process_index() == 0:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        target = quarantine / f"{step_dir.name}-{stamp}"
-        quarantine.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(step_dir), str(target))
-        where = f"; moved to {target}"
-    log.warning(
-        "checkpoint %s is incomplete or corrupt, skipping it (%s)%s",
-        step_dir,
-        first_cause_line(error),
-        where,
-    )
 
 
 def _require_folder(path: str | os.PathLike, directory: Path) -> None:
@@ -453,7 +274,7 @@ def _read_parameters_only(
     saved = parameters.read_config(location)
     step_dir = location.root / str(location.step)
     if saved is not None and config is not None:
-        _check_model(saved, config, step_dir)
+        check_model(saved, config, step_dir)
     params = parameters.read_params(location, canonical_params, shardings)
     items = {"config": saved or {}}
     return params, Restored(location.step, step_dir, {"params": params}, items)
