@@ -253,7 +253,7 @@ def test_shuffle_seed_and_state_fingerprint(prepared):
     "override, named",
     [
         ({"process_count": 2}, "process_count: saved 1, now 2"),
-        ({"grain_train_files": "train-0000[01].array_record"}, "files: saved"),
+        ({"grain_train_files": "train-00000.array_record"}, "files: saved"),
         ({"packing": False}, "packing: saved True, now False"),
         ({"data_shuffle_seed": 1}, "seed: saved 0, now 1"),
     ],
@@ -266,7 +266,8 @@ def test_state_refused_with_other_data(prepared, override, named):
     state = make_data(config(shards)).train.get_state()
     if "grain_train_files" in override:
         override = {"grain_train_files": str(shards / override["grain_train_files"])}
-        assert len(list(shards.glob("train-*"))) > len(list(shards.glob("train-0000[01].*"))) == 2
+        # a strict subset of the saved shard set (how many shards there are depends on the split)
+        assert len(list(shards.glob("train-*"))) > len(list(shards.glob("train-00000.*"))) == 1
     other = make_data(config(shards, **override))
     with pytest.raises(ValueError, match=re.escape(named)):
         other.train.set_state(state)
