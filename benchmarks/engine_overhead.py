@@ -85,7 +85,7 @@ from benchmarks.machine import machine_info  # noqa: E402
 from jaxpp_integration import api as jaxpp_api  # noqa: E402
 from jaxpp_integration.compiler.program import Delete, Run, Transfer  # noqa: E402
 from jaxpp_integration.jax_compat import copy_shards  # noqa: E402
-from jaxpp_integration.runtime.executor import executor as runtime_mod  # noqa: E402
+from jaxpp_integration.runtime import executor as runtime_mod  # noqa: E402
 
 NUM_STAGES = 4
 GOALS = {"step_ratio": 1.10, "dispatch_us_per_task": 50.0, "compile_ratio": 1.5}

@@ -10,12 +10,16 @@ instructions over numbered value slots, each slot living on one rank.
 
 Loop task instances are ordered by a list-scheduling replay of `schedule.tasks(n)` with costs
 fwd=1, bwd=2, which also checks the data dependencies. Accumulators are updated in place
-(donated) inside the task that produces each output, in the order the program runs them.
+(donated) inside the task that produces each output, in the order the program runs them; the
+after-loop tasks update the state in place (`donate_at_last_use`), and `add_deletes` frees every
+other value after its last use.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -96,35 +100,46 @@ class Program:
     constants: dict  # slot -> numpy value (index scalars, literals)
     mpmd_dim: int
     slot_spec: dict = dataclasses.field(default_factory=dict)  # slot -> spec a Fill must use
+    num_microbatches: int = 0
 
 
 _INDEX_AVAL = jax.core.ShapedArray((), np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """What `build_program` turns into a `Program`: the traced step and the earlier passes'
+    results. `deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
+    `loop_body`, the rewritten body), summed once after the loop (None: reduced as it is made);
+    `gather_specs`: loop constants gathered once per step (`pipeline_fsdp_ag_once`) and their
+    layouts; `reduce_specs[j]`: the layout the once-per-step sum of output j is reduced to."""
+
+    closed: Any  # the traced step (a ClosedJaxpr)
+    placement: Placement
+    body: PartitionedBody
+    schedule: Any
+    n_mb: int  # microbatches
+    ops: tuple  # treduce operation per loop output
+    axis: int  # the microbatch axis of the loop's inputs
+    loop_need: dict  # loop input (top-level var) -> ranks of the loop tasks reading it
+    deferred: list | None = None
+    loop_body: Any = None
+    gather_specs: dict | None = None
+    reduce_specs: list | None = None
+
+
 class _Builder:
     """Builds one `Program`; each section of the step has one method, called in order."""
 
-    def __init__(
-        self,
-        closed,
-        placement: Placement,
-        body: PartitionedBody,
-        schedule,
-        n_mb,
-        ops,
-        axis,
-        loop_need: dict,
-        deferred: list | None = None,
-        loop_body=None,
-        gather_specs: dict | None = None,
-        reduce_specs: list | None = None,
-    ):
-        self.jaxpr = closed.jaxpr
-        self.reduce_specs = reduce_specs or [None] * len(placement.loop_eqn.outvars)
-        self.gather_specs = gather_specs or {}  # loop constant -> spec to gather it to
+    def __init__(self, parts: StepParts):
+        placement, body, schedule = parts.placement, parts.body, parts.schedule
+        self.jaxpr = parts.closed.jaxpr
+        self.reduce_specs = parts.reduce_specs or [None] * len(placement.loop_eqn.outvars)
+        self.gather_specs = parts.gather_specs or {}  # loop constant -> spec to gather it to
         self.gathered: dict = {}  # (loop constant, rank) -> slot of its gathered copy
         self.placement, self.body, self.schedule = placement, body, schedule
-        self.n_mb, self.ops, self.axis, self.loop_need = n_mb, ops, axis, loop_need
+        self.n_mb, self.ops, self.axis = parts.n_mb, parts.ops, parts.axis
+        self.loop_need = parts.loop_need
         self.mpmd_dim = schedule.mpmd_dim
         self.slot_rank, self.slot_aval, self.slot_kind = [], [], []
         self.instrs: list = []
@@ -140,8 +155,8 @@ class _Builder:
         self.acc_rank = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
         self.free_out = {o for e in placement.free_eqns for o in e.outvars}
         # gradient_reduction="step": body outputs kept as partial sums [D, ...] over these axes
-        self.deferred = deferred or [None] * len(loop_eqn.outvars)
-        self.body_out_avals = (loop_body or loop_eqn.params["body"]).out_avals
+        self.deferred = parts.deferred or [None] * len(loop_eqn.outvars)
+        self.body_out_avals = (parts.loop_body or loop_eqn.params["body"]).out_avals
         self.slot_spec: dict = {}
 
     def acc_aval(self, j):
@@ -443,36 +458,8 @@ class _Builder:
         ]
 
 
-def build_program(
-    closed,
-    placement: Placement,
-    body: PartitionedBody,
-    schedule,
-    n_mb,
-    ops,
-    axis,
-    loop_need: dict,
-    deferred: list | None = None,
-    loop_body=None,
-    gather_specs: dict | None = None,
-    reduce_specs: list | None = None,
-) -> Program:
-    """`deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
-    `loop_body`, the rewritten body), summed once after the loop; None: reduced as it is made."""
-    b = _Builder(
-        closed,
-        placement,
-        body,
-        schedule,
-        n_mb,
-        ops,
-        axis,
-        loop_need,
-        deferred,
-        loop_body,
-        gather_specs,
-        reduce_specs,
-    )
+def build_program(parts: StepParts) -> Program:
+    b = _Builder(parts)
     inputs = b.step_inputs()
     b.before_loop()
     b.loop()
@@ -488,6 +475,7 @@ def build_program(
         b.constants,
         b.mpmd_dim,
         b.slot_spec,
+        num_microbatches=parts.n_mb,
     )
 
 
@@ -555,13 +543,66 @@ def _reads(eqns):
     return out
 
 
-def add_deletes(prog: Program, donated_inputs: set) -> Program:
-    """Inserts a Delete after each slot's last use (or right after it is made, if unused)."""
+def _kept(prog: Program, donated_inputs: set) -> set:
+    """Slots the step must not free: its outputs, the constants, and the inputs it was not
+    given to consume (`donated_inputs`: positions of the flat step inputs it may)."""
     keep = {s for slots in prog.outputs for s in slots.values()}
     keep |= set(prog.constants)
     for i, slots in enumerate(prog.inputs):
         if i not in donated_inputs:
             keep |= set(slots.values())
+    return keep
+
+
+def donate_at_last_use(prog: Program, donated_inputs: set) -> Program:
+    """In-place update: each after-loop task donates the inputs it is the last to read
+    (parameters and optimizer state given with `donate_argnums`, gradient accumulators, ...),
+    so XLA writes its outputs into their buffers and the update never holds two copies.
+
+    Only inputs an output can take are donated: one output per input, of the same shape and
+    dtype (the pairing `jax.jit` makes; a donated input without one would stay alive), the
+    state inputs first. Loop tasks keep their own donation (the accumulators)."""
+    keep = _kept(prog, donated_inputs)
+    state = {s for i in donated_inputs for s in prog.inputs[i].values()}
+    last_use: dict = {}
+    for idx, ins in enumerate(prog.instrs):
+        if isinstance(ins, Run):
+            for s in ins.ins:
+                last_use[s] = idx
+        elif isinstance(ins, Transfer):
+            last_use[ins.src] = idx
+    for idx, ins in enumerate(prog.instrs):
+        if not isinstance(ins, Run) or ins.code.kind != "after" or ins.donate:
+            continue
+        free: dict = {}  # (shape, dtype) -> outputs of that type still without an input
+        for s in ins.outs:
+            key = _type_key(prog.slot_aval[s])
+            free[key] = free.get(key, 0) + 1
+        once = {s for s, n in collections.Counter(ins.ins).items() if n == 1}
+        candidates = [
+            p
+            for p, s in enumerate(ins.ins)
+            if s in once and s not in keep and last_use.get(s) == idx
+        ]
+        candidates.sort(key=lambda p: (ins.ins[p] not in state, p))
+        chosen = []
+        for p in candidates:
+            key = _type_key(prog.slot_aval[ins.ins[p]])
+            if free.get(key, 0):
+                free[key] -= 1
+                chosen.append(p)
+        if chosen:
+            prog.instrs[idx] = dataclasses.replace(ins, donate=tuple(sorted(chosen)))
+    return prog
+
+
+def _type_key(aval):
+    return tuple(aval.shape), np.dtype(aval.dtype)
+
+
+def add_deletes(prog: Program, donated_inputs: set) -> Program:
+    """Inserts a Delete after each slot's last use (or right after it is made, if unused)."""
+    keep = _kept(prog, donated_inputs)
     last_use: dict = {}
     for idx, ins in enumerate(prog.instrs):
         if isinstance(ins, Run):
