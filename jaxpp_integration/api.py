@@ -238,13 +238,18 @@ class CompiledMpmdFunction:
                     f"compiled for {want.dtype}{list(want.shape)}; call .compile() again"
                 )
         values = [*leaves, *self.consts]
-        inputs = {}
+        inputs, moves = {}, []  # moves: (slot, value, sharding) to place in one call
         for j, slots in enumerate(self.program.inputs):
             for r, s in slots.items():
-                v = self._place_input(values[j], r, self.slot_sharding[s])
+                v = self._place_input(values[j], r, self.slot_sharding[s], s, moves)
                 if v is not None:
                     inputs[s] = v
-        del values, leaves
+        if moves:
+            placed = jax.device_put([v for _, v, _ in moves], [sh for _, _, sh in moves])
+            for (s, _, _), v in zip(moves, placed):
+                inputs[s] = v
+            del placed
+        del values, leaves, moves
         probe = DeviceBytes() if measure_device_bytes else None
         try:
             outs, events = execute(
@@ -295,46 +300,42 @@ class CompiledMpmdFunction:
                     break
         return out
 
-    def _place_input(self, x, rank, sharding):
-        """`x` on group `rank` with `sharding`, or None when that group is another process's.
+    def _place_input(self, x, rank, sharding, slot, moves):
+        """`x` on group `rank` with `sharding`; None when that group is another process's, or
+        when it must be copied there: then (slot, value, sharding) goes to `moves`, which the
+        caller places in one `jax.device_put`.
 
         An `MpmdArray` that group `rank` does not hold is sent from the first group that does:
         a copy on one host, a collective between the two processes under multi-controller JAX
         (every process visits the inputs in the same order, so the collectives match)."""
         here = rank in self.local_ranks
-        if not isinstance(x, MpmdArray):
-            return _put(x, rank, sharding) if here else None
-        if rank in x.mpmd_idxs:
-            if not here:
+        if isinstance(x, MpmdArray):
+            src = rank if rank in x.mpmd_idxs else x.mpmd_idxs[0]
+            src_here = src in self.local_ranks
+            if src_here and here:
+                arr = x.array_on(src)
+                if src == rank and arr.sharding == sharding:
+                    return arr
+                moves.append((slot, arr, sharding))
                 return None
-            arr = x.array_on(rank)
-            return arr if arr is not None and arr.sharding == sharding else _put(x, rank, sharding)
-        src = x.mpmd_idxs[0]
-        src_here = src in self.local_ranks
-        if src_here and here:
-            return _put(x, rank, sharding)
-        if not (src_here or here):
+            if src == rank or not (src_here or here):
+                return None
+            mesh = self.mpmd_mesh
+            x = cross_process_transfer(
+                x.array_on(src) if src_here else None,
+                mesh.sharding(src, x.spec),
+                mesh.sharding(rank, x.spec),
+                x,
+                mesh.mpmd_axis_name,
+            )
+            if x is None:  # sent: the receiving process places it
+                return None
+        if not here:
             return None
-        mesh = self.mpmd_mesh
-        got = cross_process_transfer(
-            x.arrays[src] if src_here else None,
-            mesh.sharding(src, x.spec),
-            mesh.sharding(rank, x.spec),
-            x,
-            mesh.mpmd_axis_name,
-        )
-        return None if got is None else _put(got, rank, sharding)
-
-
-def _put(x, rank, sharding):
-    if isinstance(x, MpmdArray):
-        arr = x.array_on(rank)
-        if arr is not None and arr.sharding == sharding:
-            return arr
-        return jax.device_put(arr if arr is not None else x.first_array, sharding)
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        moves.append((slot, x, sharding))
+        return None
 
 
 def _respec(a: MpmdArray, spec: PartitionSpec) -> MpmdArray:

@@ -3,7 +3,8 @@
 One Python thread issues every instruction in program order; JAX's asynchronous dispatch lets
 groups run concurrently (a task waits only on its inputs). Transfers copy each shard to the
 target group's matching device (runs of consecutive transfers in one runtime call,
-`jax_compat.copy_shards`; `jax.device_put` when the layouts differ).
+`jax_compat.shard_copier`; `jax.device_put` when the layouts differ); runs of consecutive fills
+are one `jax.device_put`.
 
 Everything constant per compiled program is worked out once (`prepare` -> `Walk`): the
 executable, input and output slots of every task, the transfer batches, and the releases. A
@@ -31,7 +32,7 @@ import time
 import jax
 
 from jaxpp_integration.compiler.program import Delete, Fill, Program, Run, Transfer
-from jaxpp_integration.jax_compat import copy_shards, same_shard_layout
+from jaxpp_integration.jax_compat import same_shard_layout, shard_copier
 from jaxpp_integration.runtime.transfer import cross_process_transfer
 from jaxpp_integration.tools import memory
 
@@ -114,13 +115,11 @@ def prepare(prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=No
                     )
                     for t in batch
                 )
-                args = (
-                    tuple(t.src for t in batch),
-                    tuple(t.dst for t in batch),
-                    [slot_sharding[t.dst] for t in batch],
-                    fast,
+                shardings = [slot_sharding[t.dst] for t in batch]
+                copy = shard_copier(shardings) if fast else _device_put(shardings)
+                op = Op(
+                    _COPY, idx, (tuple(t.src for t in batch), tuple(t.dst for t in batch), copy)
                 )
-                op = Op(_COPY, idx, args)
                 ops.append(op)
                 current = op
                 idx += len(batch)
@@ -128,8 +127,24 @@ def prepare(prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=No
             if src_here or dst_here:
                 op = Op(_CROSS, idx, (ins, src_here))
         elif isinstance(ins, Fill):
-            if ins.rank in local:
-                op = Op(_FILL, idx, (ins.slot, ins.value, slot_sharding[ins.slot]))
+            if ins.rank in local:  # a run of consecutive local fills: one call
+                batch = [ins]
+                while (
+                    idx + len(batch) < len(instrs)
+                    and isinstance(instrs[idx + len(batch)], Fill)
+                    and instrs[idx + len(batch)].rank in local
+                ):
+                    batch.append(instrs[idx + len(batch)])
+                args = (
+                    tuple(f.slot for f in batch),
+                    [f.value for f in batch],
+                    [slot_sharding[f.slot] for f in batch],
+                )
+                op = Op(_FILL, idx, args)
+                ops.append(op)
+                current = op
+                idx += len(batch)
+                continue
         elif isinstance(ins, Delete):
             if ins.rank in local:
                 if current is None:
@@ -204,9 +219,9 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
                 if donate:
                     p.consumed([ins[d] for d in donate], regs)
         elif kind == _COPY:
-            srcs, dsts, shardings, fast = op.args
+            srcs, dsts, copy = op.args
             values = [regs[s] for s in srcs]
-            moved = copy_shards(values, shardings) if fast else jax.device_put(values, shardings)
+            moved = copy(values)
             del values
             for s, v in zip(dsts, moved):
                 regs[s] = v
@@ -221,17 +236,18 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
             for p in probes:
                 p.made((ins.dst,), regs)
         elif kind == _FILL:
-            slot, value, sharding = op.args
-            # a fresh buffer (on CPU it could alias host memory the program keeps, which the
+            slots, values, shardings = op.args
+            # fresh buffers (on CPU one could alias host memory the program keeps, which the
             # first accumulation then could not donate)
-            regs[slot] = jax.device_put(value, sharding, may_alias=False)
+            for s, v in zip(slots, jax.device_put(values, shardings, may_alias=False)):
+                regs[s] = v
             for p in probes:
-                p.made((slot,), regs)
+                p.made(slots, regs)
         if probes:
             if kind != _RELEASE:
                 for p in probes:
                     p.record(op.index)
-            if kind == _COPY:  # every transfer of the run is done once the call returns
+            if kind == _COPY or kind == _FILL:  # a run is done once its one call returns
                 for i in range(1, len(op.args[0])):
                     for p in probes:
                         p.record(op.index + i)
@@ -259,6 +275,10 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
         p.end(len(prog.instrs))
     outputs = [{r: regs[s] for r, s in slots.items()} for slots in prog.outputs]
     return outputs, events
+
+
+def _device_put(shardings):
+    return lambda values: jax.device_put(values, shardings)
 
 
 def _cross(walk: Walk, index: int, ins: Transfer, value, watchdog):
