@@ -26,10 +26,25 @@ from engine_models import clipping_sgd, make_step, tied_mlp_setup  # noqa: E402
 
 import jaxpp_integration as jaxpp  # noqa: E402
 
+
+def _swapped():
+    """Valid on one process, but rank 1 runs each pair of forwards in the opposite order to the
+    one rank 0 sends them in (microbatch 1 before 0, 3 before 2): a runtime walking each rank's
+    list on its own would pair the two processes' transfers wrongly. Every process here walks one
+    global order, so the transfers pair up."""
+    from jaxpp_integration.schedules import Phase, Task
+
+    f, b = Phase.FWD, Phase.BWD
+    rank0 = [Task(0, i, f) for i in range(4)] + [Task(0, i, b) for i in range(4)]
+    rank1 = [Task(1, i, f) for i in (1, 0, 3, 2)] + [Task(1, i, b) for i in range(4)]
+    return jaxpp.UserSchedule([rank0, rank1], num_stages=2, mpmd_dim=2)
+
+
 schedule = {
-    "1f1b": jaxpp.Std1F1B(2),
-    "interleaved": jaxpp.Interleaved1F1B(num_stages=4, mpmd_dim=2),
-}[schedule_name]
+    "1f1b": lambda: jaxpp.Std1F1B(2),
+    "interleaved": lambda: jaxpp.Interleaved1F1B(num_stages=4, mpmd_dim=2),
+    "swapped": _swapped,
+}[schedule_name]()
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 1), ("stage", "fsdp"))
 mpmd_mesh = jaxpp.MpmdMesh(mesh, "stage")
 params, batch, loss_fn = tied_mlp_setup(schedule.num_stages, 4)

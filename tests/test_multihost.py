@@ -44,9 +44,12 @@ def _launch(schedule: str, *extra: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "swapped"])
 def test_two_processes_equal_single_process_bitwise(schedule):
-    """Tied embedding + global-norm clipping, 3 steps; each process checks its own groups."""
+    """Tied embedding + global-norm clipping, 3 steps; each process checks its own groups.
+    `swapped`: a user schedule whose second rank runs its forwards in another order than the
+    first rank sends their inputs; every process walks one global instruction order, so the
+    cross-process transfers pair up whatever order each rank's list has."""
     procs = _launch(schedule)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
-from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpp_integration.compiler.program import Fill, Program, Run, TaskCode, Transfer
@@ -325,10 +325,6 @@ def compile_program(
         if pool is not None:
             pool.shutdown(wait=True)
     return executables, {s: resolve(s) for s in slot_sharding}, stats
-
-
-def literal_value(v):
-    return v.val if isinstance(v, Literal) else None
 
 
 def _constrained(fn, specs, mesh: Mesh):

@@ -21,10 +21,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpp_integration.jax_compat import shard_map
 
 
-def is_local(sharding) -> bool:
-    return all(d.process_index == jax.process_index() for d in sharding.device_set)
-
-
 @functools.cache
 def _pair(src_mesh: Mesh, dst_mesh: Mesh, axis: str, spec: PartitionSpec):
     axis_index = src_mesh.axis_names.index(axis)
