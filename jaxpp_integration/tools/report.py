@@ -14,6 +14,8 @@ instructions. Everything in it is known once the step is compiled; nothing runs.
 - `transfers`: one `TransferReport` per value copied between groups (bytes, groups, and whether
   a loop task made it: the activations and cotangents crossing stage boundaries).
 - `inputs`: per flat step input, the groups that receive it and the bytes it takes there.
+- `values`: every value (slot) of the program: its group, kind, shape and dtype, sharding and
+  bytes; the `reads`/`writes`/`value` fields above are indices into it.
 - `events`: the program's allocation and free events (`MemoryEvent`, the rules of
   `tools.memory`), from which `memory()` replays the bytes alive per group after every
   instruction, whole arrays or one device's shard, optionally with each task's temporaries.
@@ -67,6 +69,7 @@ class TaskReport:
     donated_bytes: int  # per device: inputs it consumes in place (freed by the task)
     reads: tuple  # values (slots) it reads
     writes: tuple  # values (slots) it makes
+    donates: tuple  # the values among `reads` it consumes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +89,21 @@ class InputReport:
 
     position: int
     groups: tuple  # groups holding it
+    values: dict  # group -> the value (slot) holding it there
     bytes: int  # whole array
     device_bytes: dict  # group -> one device's shard
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueReport:
+    """One value (slot) of the program: where it lives, what it is, its layout."""
+
+    group: int
+    kind: str  # "input" | "const" | "activation" | "acc" | "value"
+    aval: Any  # shape and dtype
+    sharding: Any  # on the group's devices
+    bytes: int  # whole array
+    device_bytes: int  # one device's shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +130,7 @@ class EngineReport:
     tasks: tuple
     transfers: tuple
     inputs: tuple
+    values: tuple  # ValueReport per slot (`reads`, `writes`, `value` fields index it)
     events: tuple
     _program: Program = dataclasses.field(repr=False, compare=False)
     _shard_bytes: list = dataclasses.field(repr=False, compare=False)
@@ -178,6 +195,7 @@ def build_report(prog: Program, executables: dict, slot_sharding: dict, mesh, sc
                     donated_bytes=sum(shard[ins.ins[p]] for p in ins.donate),
                     reads=tuple(ins.ins),
                     writes=tuple(ins.outs),
+                    donates=tuple(ins.ins[p] for p in ins.donate),
                 )
             )
         elif isinstance(ins, Transfer):
@@ -202,6 +220,7 @@ def build_report(prog: Program, executables: dict, slot_sharding: dict, mesh, sc
         InputReport(
             position=i,
             groups=tuple(sorted(slots)),
+            values=dict(slots),
             bytes=nbytes[next(iter(slots.values()))] if slots else 0,
             device_bytes={r: shard[s] for r, s in slots.items()},
         )
@@ -221,6 +240,17 @@ def build_report(prog: Program, executables: dict, slot_sharding: dict, mesh, sc
         tasks=tuple(tasks),
         transfers=tuple(transfers),
         inputs=inputs,
+        values=tuple(
+            ValueReport(
+                prog.slot_rank[s],
+                prog.slot_kind[s],
+                prog.slot_aval[s],
+                slot_sharding.get(s),
+                nbytes[s],
+                shard[s],
+            )
+            for s in range(len(prog.slot_aval))
+        ),
         events=evs,
         _program=prog,
         _shard_bytes=shard,
