@@ -461,5 +461,6 @@ def measured_train_step(trainer: Trainer, state, batch, **step_kwargs):
             tracked,
             scanned,
         )
-    peaks = [measured.peak(devices) for devices in compiled.report().group_devices]
+    mesh = trainer.mpmd_mesh
+    peaks = [measured.peak([d.id for d in mesh.devices_of(g)]) for g in range(mesh.mpmd_dim)]
     return state, metrics, peaks

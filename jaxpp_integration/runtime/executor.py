@@ -18,7 +18,8 @@ the bytes of the buffers alive on every device after each instruction, tracked f
 program's own allocation and free events (each value's shard bytes per device, from its
 sharding; a donated input counts as freed once JAX marks it deleted), so it costs
 O(instructions) and waits for nothing. It is checked once against the device buffers actually
-alive (a scan of `jax.live_arrays()`) at the instruction where the program's logical peak is;
+alive (a scan of `jax.live_arrays()`) at the instruction where the program's logical peak is
+(plus one scan before the step, to leave out what was alive before it);
 `scanning_device_bytes()` is the former per-instruction scan, kept for tests and debugging.
 """
 
@@ -66,6 +67,7 @@ class Walk:
     slot_device_bytes: list  # per slot: ((device id, bytes), ...)
     mpmd_axis: str | None = None
     _memory: memory.MemoryReport | None = None
+    _check_at: int | None = None
 
     @property
     def memory(self) -> memory.MemoryReport:
@@ -75,11 +77,15 @@ class Walk:
             self._memory = memory.replay(self.prog, nbytes, input_slots=self.input_slots)
         return self._memory
 
-    def device_peak_indices(self) -> set:
-        """Per local group, the instruction where its largest device's logical bytes peak."""
-        largest = [max((b for _, b in pieces), default=0) for pieces in self.slot_device_bytes]
-        report = memory.replay(self.prog, largest, input_slots=self.input_slots)
-        return {report.peak_index[r] for r in self.local_ranks}
+    def device_peak_index(self) -> int:
+        """The instruction after which a device of this process holds the most logical bytes
+        (the largest device of each group; the first such instruction); computed once."""
+        if self._check_at is None:
+            largest = [max((b for _, b in p), default=0) for p in self.slot_device_bytes]
+            report = memory.replay(self.prog, largest, input_slots=self.input_slots)
+            group = max(self.local_ranks, key=lambda r: (report.peak_bytes[r], -r))
+            self._check_at = report.peak_index[group]
+        return self._check_at
 
 
 def prepare(prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=None) -> Walk:
@@ -302,13 +308,14 @@ class DeviceBytes:
     """Bytes of the buffers alive per device after each instruction of one step: the step's
     inputs and every buffer it made; not the buffers alive before it that are not its inputs
     (the caller's other arrays, the program's constants). Tracked from the program's own
-    allocation and free events (see the module docstring); `checked` holds, at the logical peak
-    of each group, the same figure read off the device buffers alive then (each buffer once).
+    allocation and free events (see the module docstring); `checked` holds, at the instruction
+    where a device of this process peaks (logically), the same figure read off the device
+    buffers alive then (each buffer once).
 
     `timeline[i]`: {device id: bytes} right after instruction i (devices holding nothing are
     left out)."""
 
-    check: bool = True  # scan the live buffers once, at each group's logical peak
+    check: bool = True  # scan the live buffers once, at the logical peak
     timeline: list = dataclasses.field(default_factory=list)
     checked: dict = dataclasses.field(default_factory=dict)  # instruction -> {device: bytes}
     _live: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -347,7 +354,7 @@ class DeviceBytes:
             self._add(s, tuple(pieces))
         self._prev = {d: b for d, b in self._live.items() if b}
         if self.check:
-            self._check_at = frozenset(walk.device_peak_indices())
+            self._check_at = frozenset((walk.device_peak_index(),))
             self._scan = _Scan()
             self._scan.begin(walk, inputs)
 

@@ -77,7 +77,8 @@ class TransferReport:
     index: int
     src_group: int
     dst_group: int
-    value: int  # the slot made on the receiving group
+    source: int  # the value (slot) copied
+    value: int  # the value made on the receiving group
     bytes: int  # whole array
     device_bytes: int  # one device's shard
     from_loop: bool  # made by a loop task: an activation or cotangent between stages
@@ -206,6 +207,7 @@ def build_report(prog: Program, executables: dict, slot_sharding: dict, mesh, sc
                     index=idx,
                     src_group=ins.src_rank,
                     dst_group=ins.dst_rank,
+                    source=ins.src,
                     value=ins.dst,
                     bytes=nbytes[ins.dst],
                     device_bytes=shard[ins.dst],
