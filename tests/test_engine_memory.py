@@ -19,7 +19,7 @@ import pytest
 from engine_models import make_step, mpmd_mesh, tied_mlp_setup
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.compiler.program import Transfer
+from jaxpp_integration.compiler.program import Fill, Transfer
 from jaxpp_integration.runtime.executor import scanning_device_bytes
 from jaxpp_integration.schedules import Phase
 
@@ -60,24 +60,25 @@ def _measured_step(schedule, n_mb=8, **kw):
 
 def _settled(instrs):
     """Instruction indices after which the runtime has done exactly that much: a run of
-    consecutive transfers is one copy call, so inside it only its last index qualifies."""
+    consecutive transfers (or fills) is one call, so inside it only its last index qualifies."""
     out = []
     for i, ins in enumerate(instrs):
         nxt = instrs[i + 1] if i + 1 < len(instrs) else None
-        if not (isinstance(ins, Transfer) and isinstance(nxt, Transfer)):
+        if not any(isinstance(ins, k) and isinstance(nxt, k) for k in (Transfer, Fill)):
             out.append(i)
     return out
 
 
-@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
-def measured(request):
-    return _measured_step(SCHEDULES[request.param]())
+@pytest.fixture(scope="module")
+def measured():
+    return {name: _measured_step(SCHEDULES[name]()) for name in ("gpipe", "1f1b")}
 
 
-def test_logical_bytes_equal_device_buffers(measured):
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_logical_bytes_equal_device_buffers(measured, name):
     """After every instruction (inside a run of transfers, once the run is done), each group's
     logical bytes equal the bytes of the buffers alive on its device, and so do the peaks."""
-    compiled, per_group, _ = measured
+    compiled, per_group, _ = measured[name]
     report = compiled.last_memory
     instrs = compiled.program.instrs
     assert len(per_group) == len(report.timeline) == len(instrs)
@@ -95,10 +96,8 @@ def test_received_activations_count_as_activations(measured):
     first (which receives nothing). The last two groups are left out: the last stage ends in
     the loss, so its forward task also runs that stage's backward, keeps nothing, and sends
     cotangents (not activations) to the group before it during that group's forward phase.
-    GPipe only: its forward phases are contiguous."""
-    compiled, per_group, _ = measured
-    if not isinstance(compiled.schedule, jaxpp.GPipe):
-        pytest.skip("the window is one contiguous forward phase only under GPipe")
+    GPipe: each group's forward phase is one contiguous window."""
+    compiled, per_group, _ = measured["gpipe"]
     report = compiled.last_memory
     tasks = compiled.report().tasks
     transfers = compiled.report().transfers
@@ -132,27 +131,33 @@ def test_tracked_device_bytes_equal_the_per_instruction_scan(name):
 
 
 def test_tracking_sees_a_buffer_the_program_did_not_free():
-    """Break the assumption on purpose: a reference kept to a value the program frees keeps its
-    buffer alive, which the scan sees and the tracked figure does not; the check at the peak
-    reports the difference instead of trusting the events."""
+    """Break the assumption on purpose: references kept to the values the program frees keep
+    their buffers alive, which the live buffers show and the tracked figure does not; the
+    check at the peak reports the difference instead of trusting the events."""
     compiled, _, state, batch = _compiled(jaxpp.Std1F1B(4), n_mb=4, mb_size=2, width=16)
     state = compiled(*state, batch)[:2]
     kept = []
-    original = compiled.walk.ops
-    run = next(op for op in original if op.drop and op.kind == 0)
-    exe = run.args[0]
+    runs = [op for op in compiled.walk.ops if op.args and callable(op.args[0])]
 
-    def keeping(*args):
-        out = exe(*args)
-        kept.extend(out)
-        return out
+    def keeping(exe):
+        def call(*args):
+            out = exe(*args)
+            kept.extend(out)
+            return out
 
-    run.args = (keeping, *run.args[1:])
+        return call
+
+    original = [op.args for op in runs]
+    for op in runs:
+        op.args = (keeping(op.args[0]), *op.args[1:])
     try:
         compiled(*state, batch, measure_device_bytes=True)
     finally:
-        run.args = (exe, *run.args[1:])
-    assert compiled.last_device_bytes.mismatches() != []
+        for op, args in zip(runs, original):
+            op.args = args
+    ((index, tracked, scanned),) = compiled.last_device_bytes.mismatches()
+    assert index == compiled.walk.device_peak_index()
+    assert all(scanned[d] >= tracked.get(d, 0) for d in scanned) and scanned != tracked
 
 
 def _state_bytes_per_group(compiled, sizes):
