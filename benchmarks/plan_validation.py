@@ -245,14 +245,15 @@ def main() -> int:
             results.extend(json.loads(proc.stdout.strip().splitlines()[-1]))
     out = {
         "rows": results,
-        "within_10_percent": all(abs(e) <= 0.10 for r in results for e in r["error"]),
+        "equal": all(e == 0 for r in results for e in r["error"]),
+        "within_1_percent": all(abs(e) <= 0.01 for r in results for e in r["error"]),
     }
     out["git_commit"] = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     OUT.write_text(json.dumps(out, indent=1))
     print(table(results))
-    return 0 if out["within_10_percent"] else 1
+    return 0 if out["within_1_percent"] else 1
 
 
 if __name__ == "__main__":

@@ -209,13 +209,14 @@ PLAN_VS_MEASURED = [  # (schedule, pp, repeats, scan_layers)
     ],
     ids=[f"{s}_pp{p}_scan_{scan}" for s, p, _, scan in PLAN_VS_MEASURED],
 )
-def test_planned_peak_within_1_percent_of_measured(tmp_path, schedule, pp, repeats, scan):
+def test_planned_peak_equals_measured(tmp_path, schedule, pp, repeats, scan):
     """The planned per-device peak of each group (live values, replayed statically from the
     program the planner compiles on abstract inputs: `cost_model.plan_pipelined`) against the
     device buffers measured during the trainer's real first step (`measured_train_step`, what
-    the trainer logs as `peak_bytes_per_group`): within 1 %. XLA's temporaries are not in
-    either figure: device buffers on CPU do not show them (the plan adds them to `peak_bytes`
-    from memory_analysis)."""
+    the trainer logs as `peak_bytes_per_group`): equal to the byte (the replay counts exactly
+    the buffers the devices hold; `benchmarks/plan_validation.py` finds the same on 24 rows).
+    XLA's temporaries are not in either figure: device buffers on CPU do not show them (the
+    plan adds them to `peak_bytes` from memory_analysis)."""
     from MaxText import sharding
     from MaxText.train_step import batch_shapes, build_trainer, measured_train_step
 
@@ -235,9 +236,7 @@ def test_planned_peak_within_1_percent_of_measured(tmp_path, schedule, pp, repea
     _, _, measured = measured_train_step(trainer, state, batch)
     assert trainer.train_step.last_device_bytes.mismatches() == []
     p = cost_model.plan_pipelined(config, cpu_hardware(config.num_devices))
-    planned = [g.live_peak_bytes for g in p.groups]
-    for g, (want, got) in enumerate(zip(measured, planned)):
-        assert abs(got - want) <= 0.01 * want, (g, planned, measured)
+    assert [g.live_peak_bytes for g in p.groups] == measured
 
 
 def test_scan_counts_every_layer():
