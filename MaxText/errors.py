@@ -1,11 +1,29 @@
-"""The trainer's user-facing error type, shared by every module that validates user input.
+"""The trainer's user-facing error types, shared by every module that checks what the user gave.
 
-`ConfigError`: a configuration or device-setting problem the user can fix; its message is one line
-(what is wrong and how to fix it). `train.py` prints it as `config error: ...` and exits with 2.
-It lives here, not in `config.py`, so that modules `config.py` itself uses (`devices.py`) can raise
-it without importing the config.
+`UserError`: a problem the user can fix (a setting, a path, a checkpoint); its message is one line
+saying what is wrong and how to fix it, and the entry points print it as `<prefix>: <message>` and
+exit with code 2. Each kind has its own prefix, so the user reads what kind of thing to fix:
+
+- `ConfigError` ("config error"): a key, a combination of keys, or a device setting;
+- `CheckpointError` ("checkpoint error"): a checkpoint that is missing or cannot be read.
+
+They live here, below the config, so that any package can raise them without importing the config.
 """
 
 
-class ConfigError(ValueError):
-    """A configuration problem the user can fix; the message is one line."""
+class UserError(ValueError):
+    """A problem the user can fix; the message is one line. `prefix` names its kind."""
+
+    prefix = "error"
+
+
+class ConfigError(UserError):
+    """A configuration problem the user can fix."""
+
+    prefix = "config error"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing or unreadable (not a disagreement with the config's keys)."""
+
+    prefix = "checkpoint error"

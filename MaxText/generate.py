@@ -9,11 +9,13 @@ in that checkpoint, so `run_name=` alone is enough; keys given on the command li
 Checkpoints are layout-independent, so generation runs on one device whatever layout trained it
 (parallelism keys on the command line are ignored).
 
-Decoding: the prompt becomes `[bos] + tokens(prompt)` (at most `max_prefill_predict_length`
-tokens); tokens are appended one at a time up to `max_predict_length` tokens in all, or until EOS.
-Every step runs the model on one fixed-size [1, max_predict_length] buffer: attention is causal, so
-the unused tail does not change the logits at the current position, and one compiled program
-serves every step (no KV cache; the models this trainer runs on CPU are small).
+Decoding: the prompt becomes `[bos] + tokens(prompt)` (BOS with `add_bos`; at most
+`max_prefill_predict_length` tokens); tokens are appended one at a time up to `max_predict_length`
+tokens in all, or until EOS. The prompt is run once (prefill, padded to
+`max_prefill_predict_length`: one compiled program for any prompt), filling a KV cache of
+`max_predict_length` slots; each further token is one [1, 1] step against the cache (a second
+compiled program). `sample_tokens(..., kv_cache=False)` keeps the loop without a cache (the
+whole buffer rerun per token), the reference the cached path is tested against.
 `decode_sampling_strategy`: greedy | weighted (softmax of logits / decode_sampling_temperature) |
 topk (the decode_sampling_top_k largest logits, then weighted); `seed=` seeds the sampling.
 
@@ -23,6 +25,7 @@ stdout gets the prompt and its continuation; logs go to stderr. Exit code 2 for 
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Sequence
@@ -34,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.checkpoint import manager as checkpointing
-from MaxText.cluster import devices
-from MaxText.config import Config, ConfigError, load_config
-from MaxText.model import Decoder
+from MaxText.cluster import devices, xla_flags
+from MaxText.config import ALIASES, Config, ConfigError, load_config
+from MaxText.errors import UserError
+from MaxText.model import Decoder, init_cache
 
 log = logging.getLogger("MaxText")
 
@@ -47,6 +51,11 @@ SAVED_KEYS = (
     "weight_dtype",
     "normalization_layer_epsilon",
     "rope_max_timescale",
+    "rope_type",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
     "max_target_length",
     "dataset_type",
     "dataset_path",
@@ -55,6 +64,8 @@ SAVED_KEYS = (
     "eval_split",
     "tokenizer_path",
     "tokenizer_type",
+    "add_bos",
+    "add_eos",
     "packing",
     "grain_train_files",
     "grain_eval_files",
@@ -81,6 +92,9 @@ ONE_DEVICE = {
     "process_id": 0,
     "coordinator_address": "",
     "enable_checkpointing": False,
+    "scan_layers": False,  # the KV-cache decode path runs unrolled layers
+    "remat_policy": "none",
+    "pipeline_stage_remat": "",
 }
 _IGNORED = {*ONE_DEVICE, "pipeline_parallelism"}
 
@@ -97,15 +111,16 @@ def generation_config(argv: Sequence[str]) -> tuple[Config, str]:
     source = cli.load_parameters_path or cli.output_dir
     step, saved = checkpointing.saved_config(source)
     user = [t for t in argv[1:] if t.split("=", 1)[0].strip() not in _IGNORED]
-    from_checkpoint = [_token(k, saved[k]) for k in SAVED_KEYS if k in saved]
+    given = {ALIASES.get(k, k) for k in (t.split("=", 1)[0].strip() for t in user)}
+    from_checkpoint = [_token(k, saved[k]) for k in SAVED_KEYS if k in saved and k not in given]
     forced = [_token(k, v) for k, v in ONE_DEVICE.items()]
     config = load_config([argv[0], *from_checkpoint, *user, *forced])
     del step
     return config, source
 
 
-def make_sampler(config: Config, model: Decoder, vocab_limit: int, banned: Sequence[int]):
-    """A jitted (params, tokens_1xT, t, key) -> the token to put at position t."""
+def make_sampler(config: Config, vocab_limit: int, banned: Sequence[int]):
+    """(logits_V, key) -> the sampled token id (int32), by `decode_sampling_strategy`."""
     strategy = config.decode_sampling_strategy
     temperature = max(config.decode_sampling_temperature, 1e-6)
     mask_V = np.zeros((config.vocab_size,), np.float32)
@@ -114,10 +129,7 @@ def make_sampler(config: Config, model: Decoder, vocab_limit: int, banned: Seque
         if 0 <= i < config.vocab_size:
             mask_V[i] = -np.inf
 
-    @jax.jit
-    def sample(params, tokens_1xT, t, key):
-        logits_1xTxV = model.apply({"params": params}, tokens_1xT)
-        logits_V = jax.lax.dynamic_index_in_dim(logits_1xTxV[0], t - 1, keepdims=False)
+    def sample(logits_V, key):
         logits_V = logits_V + mask_V
         if strategy == "greedy":
             return jnp.argmax(logits_V).astype(jnp.int32)
@@ -130,10 +142,92 @@ def make_sampler(config: Config, model: Decoder, vocab_limit: int, banned: Seque
     return sample
 
 
-def generate(config: Config, params: Any, tokenizer: Any, prompt: str) -> str:
-    """The prompt followed by its sampled continuation, as text."""
+@functools.lru_cache(maxsize=8)
+def decoding_programs(config: Config, vocab_limit: int, banned: tuple[int, ...]):
+    """The jitted programs of `sample_tokens` for one config (built once, so repeated calls
+    reuse their compilations): `full_step` (no cache), `prefill` and `decode` (KV cache)."""
     model = Decoder(config)
-    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
+    sample = make_sampler(config, vocab_limit, banned)
+    length = config.max_predict_length
+
+    @jax.jit
+    def full_step(params, tokens_1xT, t, key):
+        logits_1xTxV = model.apply({"params": params}, tokens_1xT)
+        return sample(jax.lax.dynamic_index_in_dim(logits_1xTxV[0], t - 1, 0, False), key)
+
+    @jax.jit
+    def prefill(params, tokens_1xP, t, key):
+        positions_1xP = jnp.arange(tokens_1xP.shape[1])[None]
+        cache = init_cache(config, 1, length)
+        logits_1xPxV, cache = model.apply(
+            {"params": params}, tokens_1xP, positions_1xP, cache=cache
+        )
+        return sample(jax.lax.dynamic_index_in_dim(logits_1xPxV[0], t - 1, 0, False), key), cache
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def decode(params, cache, token, t, key):
+        positions_1x1 = jnp.reshape(t, (1, 1))
+        logits_1x1xV, cache = model.apply(
+            {"params": params}, jnp.reshape(token, (1, 1)), positions_1x1, cache=cache
+        )
+        return sample(logits_1x1xV[0, 0], key), cache
+
+    return full_step, prefill, decode
+
+
+def sample_tokens(
+    config: Config,
+    params: Any,
+    prompt_ids: Sequence[int],
+    *,
+    vocab_limit: int,
+    banned: Sequence[int] = (),
+    eos_id: int = -1,
+    kv_cache: bool = True,
+) -> list[int]:
+    """The ids generated after `prompt_ids`, up to `max_predict_length` tokens in all or EOS.
+
+    `kv_cache=True`: the prompt (padded to `max_prefill_predict_length`) is run once, filling
+    a KV cache of `max_predict_length` slots; each new token is then one [1, 1] step against
+    it. `kv_cache=False`: every token reruns the model on the whole [1, max_predict_length]
+    buffer (the reference loop; attention is causal, so the unused tail does not change the
+    logits at the current position). Both sample token t with `fold_in(key(seed), t)`."""
+    full_step, prefill, decode = decoding_programs(config, vocab_limit, tuple(banned))
+    key = jax.random.key(config.seed)
+    length = config.max_predict_length
+    t = len(prompt_ids)
+    out: list[int] = []
+    if not kv_cache:
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, :t] = prompt_ids
+        while t < length:
+            token = int(full_step(params, tokens, t, jax.random.fold_in(key, t)))
+            if token == eos_id:
+                break
+            tokens[0, t] = token
+            out.append(token)
+            t += 1
+        return out
+
+    prompt = np.zeros((1, config.max_prefill_predict_length), np.int32)
+    prompt[0, :t] = prompt_ids
+    token, cache = prefill(params, prompt, t, jax.random.fold_in(key, t))
+    while t < length:
+        token = int(token)
+        if token == eos_id:
+            break
+        out.append(token)
+        t += 1
+        if t < length:
+            token, cache = decode(params, cache, token, t - 1, jax.random.fold_in(key, t))
+    return out
+
+
+def generate(
+    config: Config, params: Any, tokenizer: Any, prompt: str, kv_cache: bool = True
+) -> str:
+    """The prompt followed by its sampled continuation, as text."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 and config.add_bos else []
     prompt_ids = bos + list(tokenizer.encode(prompt))
     if len(prompt_ids) > config.max_prefill_predict_length:
         raise ConfigError(
@@ -147,18 +241,16 @@ def generate(config: Config, params: Any, tokenizer: Any, prompt: str) -> str:
             f"of decoder_block=gpt; use max_predict_length <= {config.max_target_length}"
         )
     banned = [i for i in (tokenizer.pad_id, tokenizer.bos_id) if i >= 0]
-    sample = make_sampler(config, model, min(tokenizer.vocab_size, config.vocab_size), banned)
-    tokens = np.full((1, length), tokenizer.pad_id, np.int32)
-    tokens[0, : len(prompt_ids)] = prompt_ids
-    key = jax.random.key(config.seed)
-    t = len(prompt_ids)
-    while t < length:
-        token = int(sample(params, tokens, t, jax.random.fold_in(key, t)))
-        if token == tokenizer.eos_id:
-            break
-        tokens[0, t] = token
-        t += 1
-    return tokenizer.decode([int(i) for i in tokens[0, len(bos) : t]])
+    new = sample_tokens(
+        config,
+        params,
+        prompt_ids,
+        vocab_limit=min(tokenizer.vocab_size, config.vocab_size),
+        banned=banned,
+        eos_id=tokenizer.eos_id,
+        kv_cache=kv_cache,
+    )
+    return tokenizer.decode([int(i) for i in [*prompt_ids[len(bos) :], *new]])
 
 
 def abstract_params(config: Config) -> Any:
@@ -174,15 +266,21 @@ def main(argv: Sequence[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
         config, source = generation_config(argv)
-        devices.setup(**config.device_args())
-        from MaxText.data import make_data
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
+        config, _ = devices.start(config)
+        if config.tokenizer_path:  # a tokenizer file (e.g. a converted Hugging Face model's)
+            from MaxText.data.tokenizer import load_tokenizer
 
-        tokenizer = make_data(config).tokenizer
+            tokenizer = load_tokenizer(config.tokenizer_path, config.tokenizer_type)
+        else:  # the one the run trained on its corpus, or its grain shards'
+            from MaxText.data import make_data
+
+            tokenizer = make_data(config).tokenizer
         params, restored = checkpointing.load_params(source, abstract_params(config), config)
         params = jax.device_put(params, jax.devices()[0])
         text = generate(config, params, tokenizer, config.prompt)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"{e.prefix}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # e.g. a prompt the tokenizer cannot encode
         print(f"error: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ import sys
 
 from MaxText.cluster.compile_cache import compilation_cache
 from MaxText.planning.auto import describe_remat, make_plan, resolve_schedule
-from MaxText.planning.cost_model import Plan, byte_unit, format_bytes
+from MaxText.planning.cost_model import Plan, byte_unit, describe_gradients, format_bytes
 from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
 
 
@@ -52,6 +52,8 @@ def format_plan(plan: Plan) -> str:
         f"predicted step {p['step_time_s']:.3f} s, bubble {100 * p['bubble']:.1f}%, "
         f"MFU {100 * p['mfu']:.1f}%"
     )
+    if plan.gradients is not None:
+        rows.append(describe_gradients(plan.gradients))
     if plan.remat is not None:
         rows.append(describe_remat(plan.remat))
     elif plan.stage_remat and len(set(plan.stage_remat)) > 1:
@@ -85,12 +87,13 @@ def main(argv=None) -> int:
     from MaxText.metrics import setup_logging
 
     setup_logging()
-    from MaxText.cluster import devices
+    from MaxText.cluster import devices, xla_flags
     from MaxText.config import ConfigError, load_config
 
     try:
         config = load_config(rest)
-        devices.setup(**config.device_args())
+        xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
+        config, _ = devices.start(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
     with compilation_cache(config.jax_cache_dir):
         try:
-            config, _, base = resolve_schedule(rest, config, hardware)
+            config, base = resolve_schedule(config, hardware)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

@@ -29,8 +29,9 @@ import numpy as np
 import jaxpp_integration as jaxpp
 from MaxText import memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
-from MaxText.cluster import devices
-from MaxText.config import Config, ConfigError, load_config
+from MaxText.cluster import devices, gpu_host, xla_flags
+from MaxText.config import Config, load_config
+from MaxText.errors import UserError
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
 from MaxText.planning import flops
@@ -86,6 +87,13 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
         )
         + f"; step compiled in {trainer.compile_seconds:.1f} s"
     )
+    stats = getattr(trainer.train_step, "compile_stats", None)
+    if stats is not None:  # pipelined: each process compiles only its own groups' programs
+        logger.info(
+            f"process {jax.process_index()}: task programs of groups "
+            f"{sorted(trainer.train_step.local_ranks)} compiled here: {stats.compiles} XLA "
+            f"compiles, {stats.loads} loaded onto another group"
+        )
     local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
     memory.log_memory(logger.info, trainer.train_step, local)
     if start >= config.steps:
@@ -194,9 +202,15 @@ def main(argv: Sequence[str]) -> int:
     setup_logging()
     try:
         config = load_config(argv)
-        devs = devices.setup(**config.device_args())
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
+        config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
+        gpu_host.check_backend(
+            devs[0].platform,
+            hardware=config.hardware,
+            allow_cpu_fallback=config.allow_cpu_fallback,
+        )
+    except UserError as e:
+        print(f"{e.prefix}: {e}", file=sys.stderr)
         return 2
     from MaxText.data import make_data
 
@@ -209,7 +223,11 @@ def main(argv: Sequence[str]) -> int:
     from MaxText.planning.auto import resolve_auto
 
     with compilation_cache(config.jax_cache_dir):
-        config = resolve_auto(argv, config)  # "auto" schedule, microbatches, split, remat
+        try:
+            config = resolve_auto(config)  # "auto" schedule, microbatches, split, remat
+        except UserError as e:
+            print(f"{e.prefix}: {e}", file=sys.stderr)
+            return 2
         mesh = sharding.make_mesh(config, devs)
         trainer = build_trainer(config, mesh)
         try:
@@ -217,8 +235,8 @@ def main(argv: Sequence[str]) -> int:
         except TrainingDivergedError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        except ConfigError as e:  # e.g. a checkpoint of another model or seed
-            print(f"config error: {e}", file=sys.stderr)
+        except UserError as e:  # e.g. a checkpoint of another model or seed, or unreadable
+            print(f"{e.prefix}: {e}", file=sys.stderr)
             return 2
     if last:
         summary = f"done: {config.steps} steps, loss {last['loss']:.4f}"

@@ -344,12 +344,18 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     )
 
 
-def pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh):
+def pipelined_train_step(
+    config, model, optimizer, lr_schedule, specs, mpmd_mesh, device_memory_bytes=None
+):
     """The trainer's step under `mpmd_jit_with_loop` (not compiled yet); the planner compiles
-    the very same function on abstract inputs."""
+    the very same function on abstract inputs. `device_memory_bytes`: what
+    `gradient_reduction=auto` decides against when planning for other devices than these."""
     from jaxpp_integration.schedules import schedule_from_name
 
     schedule = schedule_from_name(config.pipeline_schedule, config.num_stages, config.mesh_pipeline)
+    reduction = config.gradient_reduction
+    if reduction == "auto" and device_memory_bytes:
+        reduction = jaxpp.AutoReduction(device_memory_bytes=device_memory_bytes)
     return jaxpp.mpmd_jit_with_loop(
         make_train_step(
             config, model, optimizer, lr_schedule, schedule=schedule, grad_specs=specs["params"]
@@ -358,7 +364,7 @@ def pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh
         in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}),
         out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
         donate_argnums=(0,),
-        gradient_reduction=config.gradient_reduction,
+        gradient_reduction=reduction,
         pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
         pipeline_fsdp_ag_once=config.pipeline_fsdp_ag_once,
     )
@@ -391,6 +397,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     with sharding.axis_rules():  # activation constraints: batch-sharded inside each stage
         compiled = pipelined.compile(first_state[0], example_batch)
     compile_seconds = time.perf_counter() - t0
+    log.info("%s", compiled.reduction_choice.describe())
     fresh_state = init_state
 
     def init_state():

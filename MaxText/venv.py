@@ -1,7 +1,9 @@
-"""Run a top-level script under the project's `.venv` when the current python lacks the deps.
+"""Run an entry point under the project's `.venv` when the current python lacks the deps.
 
-`python train.py ...` with a system python (no activated `.venv`) would stop at `import jax`.
-`ensure_dependencies()` runs first (standard library only): when a required package is missing
+`python train.py ...` or `python -m MaxText.plan ...` with a system python (no activated `.venv`)
+would stop at `import jax`. `ensure_dependencies()` runs first (standard library only): `train.py`
+calls it itself, and `MaxText/__init__.py` calls it for every `python -m MaxText.<tool>` (the
+package is imported before the tool's module). When a required package is missing
 and `<repo>/.venv/bin/python` exists, it replaces the process with that interpreter and the same
 command line (`os.execv`, so exit codes, signals and output are the script's own); when there is no
 `.venv`, it prints one line saying to run `./setup.sh` and exits with 2. Under `.venv`'s python it

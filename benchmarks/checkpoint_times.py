@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def _dir_bytes(path: Path) -> int:

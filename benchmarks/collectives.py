@@ -1,140 +1,175 @@
-"""Collectives per step, counted from the compiled HLO of every task (exact, no timing).
+"""Gradient reductions per step of the trainer, per `gradient_reduction` mode (exact, no timing).
 
-Run from the repository root (a few minutes on 2 CPU cores; it only compiles):
+Run from the repository root (it only compiles, on abstract inputs: ~15-30 minutes on 2 CPU
+cores, most of it the three Llama 2 70B plans):
 
-    . .venv/bin/activate && python benchmarks/collectives.py
+    .venv/bin/python benchmarks/collectives.py [--quick]
 
-It prints a table and writes `benchmarks/results/collectives.json`.
+For each row the trainer's real step is built and compiled by the planner
+(`MaxText.planning.cost_model`, nothing allocated) and its report read
+(`cost_model.gradient_communication`): reduction launches per step (all-reduce and
+reduce-scatter of the loop and `reduce_r` tasks, by mesh axes, a collective inside a layer
+scan counted once per trip), those inside the loop tasks, the launches and bytes (of each
+collective's result) per step per device of the busiest group (a device runs its own group's
+collectives only), and the gradient accumulator bytes per device of the largest group.
 
-The step: an MLP with one Megatron-style pair of matrices per stage (W1 [w, 4w], W2 [4w, w],
-tanh between, residual), a mean-squared loss, `treduce` over microbatches with `jaxpp.Add`, SGD
-after the loop; `Std1F1B` on 2 or 4 pipeline groups of 2 emulated CPU devices each, inside which
-one of:
-- `data=2`:   batch rows split P(None, "data"), weights replicated;
-- `fsdp=2`:   batch rows split P(None, "fsdp"), weights split on their first dimension;
-- `tensor=2`: batch replicated, W1 split by columns, W2 by rows (one all-reduce per layer pair
-  in the forward and one in the backward: activation traffic, not gradient traffic).
-For m in {4, 8, 16} microbatches, both `gradient_reduction` modes (and, with fsdp, "step" plus
-`pipeline_fsdp_ag_once=True`), every `Run` instruction's
-executable is read with `jaxpp_integration.tools.collectives.program_collectives`: launches and
-bytes (per device, of each collective's result) per step by kind, plus the cross-group transfers.
-The goal: gradient-reduction launches and bytes per step independent of m with "step" (they are
-m x with "microbatch").
+- `tiny` (configs/base.yml defaults: scanned layers), pipeline_parallelism=2 with
+  ici_data_parallelism=2, and with ici_data_parallelism=2 x ici_fsdp_parallelism=2; m = 4, 8,
+  16 microbatches (global batch 64); modes step / microbatch / auto (planned for this CPU host:
+  XLA:CPU reports no device memory, so auto scatters over fsdp, as the trainer here does);
+- Llama 2 70B at pipeline_parallelism=8 x ici_fsdp_parallelism=8 (global batch 128, 16
+  microbatches, remat full), planned for an H100 (80 GB), each mode in its own process
+  (`python -m MaxText.plan ... --json`): 64 emulated devices.
+
+Writes `benchmarks/results/collectives.json` and prints the table of benchmarks/README.md.
+`--quick`: m = 4 only and no 70B rows (a check that the script works).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "results" / "collectives.json"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+MODES = ("step", "microbatch", "auto")
+MESHES = {
+    "pp2 data2": ["ici_data_parallelism=2"],
+    "pp2 data2 fsdp2": ["ici_data_parallelism=2", "ici_fsdp_parallelism=2"],
+}
+TINY = ["pipeline_parallelism=2", "global_batch_size=64", "dataset_type=synthetic"]
+LLAMA_70B = [
+    "model_name=llama2-70b",
+    "pipeline_parallelism=8",
+    "ici_fsdp_parallelism=8",
+    "global_batch_size=128",
+    "num_pipeline_microbatches=16",
+    "remat_policy=full",
+    "dataset_type=synthetic",
+]
 
-import jaxpp_integration as jaxpp  # noqa: E402
-from jaxpp_integration.tools.collectives import program_collectives  # noqa: E402
 
-WIDTH = 64
-ROWS = 8  # rows per microbatch
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "transfer")
+def summary(report: dict) -> dict:
+    """The table's columns from one plan's `gradients` report."""
+    launches, by_axes = 0, {}
+    for kind, axes in report["reductions"].items():
+        for where, c in axes.items():
+            launches += c["launches"]
+            by_axes[f"{kind} {where}"] = c["launches"]
+    return {
+        "launches_per_step": launches,
+        "launches_by_axes": by_axes,
+        "in_loop_tasks": sum(report["in_loop_tasks"].values()),
+        # a device runs its own group's collectives: the busiest group's
+        "launches_per_step_per_device": max(g["launches"] for g in report["reductions_per_group"]),
+        "bytes_per_step_per_device": max(g["bytes"] for g in report["reductions_per_group"]),
+        "grad_bytes_per_device": max(report["grad_bytes"]),
+        "deferred_axes": report["deferred_axes"],
+        "scattered_axes": report["scattered_axes"],
+    }
 
 
-def build(num_stages: int, inner: str, m: int, mode: str, ag_once: bool = False):
-    keys = jax.random.split(jax.random.PRNGKey(0), 2 * num_stages + 2)
-    params = [
-        {
-            "w1": jax.random.normal(keys[2 * s], (WIDTH, 4 * WIDTH)) / np.sqrt(WIDTH),
-            "w2": jax.random.normal(keys[2 * s + 1], (4 * WIDTH, WIDTH)) / np.sqrt(4 * WIDTH),
-        }
-        for s in range(num_stages)
-    ]
-    x = jax.random.normal(keys[-2], (m, ROWS, WIDTH))
-    y = jax.random.normal(keys[-1], (m, ROWS, WIDTH))
+def plan_tiny(mesh_keys: list, m: int, mode: str) -> dict:
+    from MaxText.config import CONFIGS_DIR, load_config
+    from MaxText.planning import cost_model
+    from MaxText.planning.hardware import cpu_hardware
 
-    def loss_fn(p, batch):
-        h, t = batch
-        for s, layer in enumerate(p):
-            h = h + jnp.tanh(h @ layer["w1"]) @ layer["w2"]
-            if s < num_stages - 1:
-                h = jaxpp.pipeline_enter_stage(h)
-        return jnp.mean((h - t) ** 2)
-
-    opt = optax.sgd(0.1)
-
-    def step(params, opt_state, batch):
-        loss, grads = jaxpp.treduce(
-            lambda mb: jax.value_and_grad(loss_fn)(params, mb),
-            batch,
-            schedule=jaxpp.Std1F1B(num_stages),
-            operation=jaxpp.Add,
-        )
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    if inner == "data":
-        pspec, bspec = {"w1": P(), "w2": P()}, P(None, "data")
-    elif inner == "fsdp":
-        pspec, bspec = {"w1": P("fsdp"), "w2": P("fsdp")}, P(None, "fsdp")
-    else:
-        pspec, bspec = {"w1": P(None, "tensor"), "w2": P("tensor")}, P()
-    specs = [pspec] * num_stages
-    devices = np.array(jax.devices()[: 2 * num_stages]).reshape(num_stages, 2)
-    mesh = jaxpp.MpmdMesh(jax.sharding.Mesh(devices, ("stage", inner)), "stage")
-    opt_state = opt.init(params)
-    fn = jaxpp.mpmd_jit_with_loop(
-        step,
-        mpmd_mesh=mesh,
-        in_specs=(specs, P(), bspec),
-        gradient_reduction=mode,
-        pipeline_fsdp_ag_once=ag_once,
+    config = load_config(
+        [
+            str(CONFIGS_DIR / "base.yml"),
+            *TINY,
+            *mesh_keys,
+            f"num_pipeline_microbatches={m}",
+            f"gradient_reduction={mode}",
+        ]
     )
-    return fn.compile(params, opt_state, (x, y))
+    plan = cost_model.plan_pipelined(config, cpu_hardware(config.num_devices))
+    return plan.gradients
+
+
+def plan_70b(mode: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "MaxText.plan",
+            "configs/base.yml",
+            *LLAMA_70B,
+            f"gradient_reduction={mode}",
+            "--hardware",
+            "h100",
+            "--json",
+            str(path),
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it emulates 64
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if not path.exists():
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        return json.loads(path.read_text())["gradients"]
+
+
+def table(rows: list) -> str:
+    from MaxText.planning.cost_model import format_bytes
+
+    out = [
+        "| config | m | mode | reductions per step, all groups (by axes) | in loop tasks | "
+        "per device: launches / bytes per step | gradients per device |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        axes = ", ".join(f"{k} {v}" for k, v in r["launches_by_axes"].items())
+        out.append(
+            f"| {r['config']} | {r['m']} | {r['mode']} | {r['launches_per_step']} ({axes}) | "
+            f"{r['in_loop_tasks']} | {r['launches_per_step_per_device']} / "
+            f"{format_bytes(r['bytes_per_step_per_device'])} | "
+            f"{format_bytes(r['grad_bytes_per_device'])} |"
+        )
+    return "\n".join(out)
 
 
 def main():
-    rows = []
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="m=4 only, no Llama 2 70B rows")
+    args = parser.parse_args()
+    from MaxText.cluster import devices
+
+    devices.setup(num_devices=8)
     t0 = time.perf_counter()
-    for num_stages in (2, 4):
-        for inner in ("data", "fsdp", "tensor"):
-            for m in (4, 8, 16):
-                variants = [("microbatch", False), ("step", False)]
-                if inner == "fsdp":
-                    variants.append(("step", True))
-                for mode, ag_once in variants:
-                    counts = program_collectives(build(num_stages, inner, m, mode, ag_once))
-                    row = {"stages": num_stages, "inner": inner, "m": m, "mode": mode}
-                    row["pipeline_fsdp_ag_once"] = ag_once
-                    for k in KINDS:
-                        row[k] = counts[k]
-                    rows.append(row)
-                    print(
-                        f"{num_stages} stages {inner:6s} m={m:2d} {mode:10s} "
-                        + ("ag_once " if ag_once else "        ")
-                        + " ".join(
-                            f"{k} {counts[k]['launches']:3d} x / {counts[k]['bytes']:8d} B"
-                            for k in KINDS
-                        ),
-                        flush=True,
-                    )
+    rows = []
+    for name, keys in MESHES.items():
+        for m in (4,) if args.quick else (4, 8, 16):
+            for mode in MODES:
+                row = {"config": f"tiny {name}", "m": m, "mode": mode}
+                row.update(summary(plan_tiny(keys, m, mode)))
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+    if not args.quick:
+        for mode in MODES:
+            row = {"config": "llama2-70b pp8 fsdp8 (H100)", "m": 16, "mode": mode}
+            row.update(summary(plan_70b(mode)))
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
     out = {
-        "what": "collective launches and bytes per step, from the compiled HLO of every task",
-        "model": f"MLP, per stage W1[{WIDTH},{4 * WIDTH}] W2[{4 * WIDTH},{WIDTH}], {ROWS} rows/mb",
-        "schedule": "Std1F1B",
-        "jax": jax.__version__,
+        "what": "gradient reduction launches and bytes per step, and gradient bytes per device, "
+        "from the compiled HLO of the trainer's step (planner, abstract inputs)",
+        "tiny": TINY,
+        "llama2_70b": LLAMA_70B,
         "seconds": round(time.perf_counter() - t0, 1),
         "rows": rows,
     }
-    path = Path(__file__).parent / "results" / "collectives.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    if not args.quick:
+        OUT.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {OUT}")
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 LAYERS = (4, 16, 32, 64)
 COMMON = ("num_pipeline_microbatches=8", "steps=2", "dataset_type=synthetic")

@@ -24,17 +24,15 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.data import make_data
+from MaxText.data import prepare as prepare_lib
+from MaxText.data.text import shakespeare_dir
 
-from MaxText.config import CONFIGS_DIR, load_config  # noqa: E402
-from MaxText.data import make_data  # noqa: E402
-from MaxText.data import prepare as prepare_lib  # noqa: E402
-from MaxText.data.text import shakespeare_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHARDS = Path("/tmp/maxtext_jaxpp_bench/shakespeare_v8192")
 

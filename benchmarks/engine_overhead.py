@@ -66,14 +66,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -88,6 +84,8 @@ from benchmarks.machine import machine_info  # noqa: E402
 from jaxpp_integration import api as jaxpp_api  # noqa: E402
 from jaxpp_integration.jax_compat import copy_shards  # noqa: E402
 from jaxpp_integration.runtime import executor as runtime_mod  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NUM_STAGES = 4
 GOALS = {

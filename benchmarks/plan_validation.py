@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 OUT = REPO / "benchmarks" / "results" / "plan_validation.json"
 SCHEDULES = [  # (schedule, num_pipeline_repeats)
     ("gpipe", 1),

@@ -64,13 +64,11 @@ from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import jaxpp_integration as jaxpp
+from jaxpp_integration.tools.measure import measure_step, to_events
+from jaxpp_integration.tools.timeline import draw_timeline
 
-import jaxpp_integration as jaxpp  # noqa: E402
-from jaxpp_integration.tools.measure import measure_step, to_events  # noqa: E402
-from jaxpp_integration.tools.timeline import draw_timeline  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:

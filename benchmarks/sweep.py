@@ -64,8 +64,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 COLUMNS = [
     "point",
@@ -257,7 +255,6 @@ def child_env() -> dict[str, str]:
     if not env["XLA_FLAGS"]:
         del env["XLA_FLAGS"]
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env
 
 

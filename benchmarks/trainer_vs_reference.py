@@ -34,22 +34,21 @@ import sys
 import time
 from pathlib import Path
 
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from MaxText import sharding
+from MaxText.cluster import devices
+from MaxText.config import load_config
+from MaxText.data import make_data
+from MaxText.model import Decoder
+from MaxText.train_step import build_trainer
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import flax  # noqa: E402
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from MaxText import sharding  # noqa: E402
-from MaxText.cluster import devices  # noqa: E402
-from MaxText.config import load_config  # noqa: E402
-from MaxText.data import make_data  # noqa: E402
-from MaxText.model import Decoder  # noqa: E402
-from MaxText.train_step import build_trainer  # noqa: E402
 
 GOAL = 0.97
 

@@ -1,8 +1,9 @@
 """The public API: `mpmd_jit_with_loop`, and re-exports of markers, treduce, meshes, schedules.
 
 `mpmd_jit_with_loop(fn, mpmd_mesh=...)` runs the passes in this order (one module each, see
-`_compile`): trace (`frontend.treduce.pipelined_tracing`) → defer data-parallel sums to once per
-step (`compiler.unreduced`, `gradient_reduction="step"`) → cluster the loop body
+`_compile`): trace (`frontend.treduce.pipelined_tracing`) → choose per mesh axis which
+data-parallel sums wait for one reduction per step and defer them (`compiler.reduction_plan`,
+`compiler.unreduced`) → cluster the loop body
 (`compiler.partition`) → place work outside the loop (`compiler.placement`) → unroll, order by
 schedule, transfers (`compiler.program.build_program`) → in-place update and deletes
 (`program.donate_at_last_use`, `program.add_deletes`) → compile per group (`compiler.compile`) →
@@ -24,8 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpp_integration.compiler import partition as _partition
 from jaxpp_integration.compiler import placement as _placement
 from jaxpp_integration.compiler import program as _program
-from jaxpp_integration.compiler import unreduced as _unreduced
+from jaxpp_integration.compiler import reduction_plan as _reduction
 from jaxpp_integration.compiler.compile import compile_program
+from jaxpp_integration.compiler.reduction_plan import AutoReduction, ReductionChoice
 from jaxpp_integration.compiler.render import render_program
 from jaxpp_integration.frontend.array import MpmdArray
 from jaxpp_integration.frontend.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
@@ -36,7 +38,7 @@ from jaxpp_integration.jax_compat import wait_at_barrier
 from jaxpp_integration.runtime.executor import DeviceBytes, execute, prepare
 from jaxpp_integration.runtime.fetch import fetch
 from jaxpp_integration.runtime.reshard import mpmd_to_spmd_reshard
-from jaxpp_integration.runtime.transfer import cross_process_transfer
+from jaxpp_integration.runtime.transfer import CrossBatch, Link, SpecExchange
 from jaxpp_integration.runtime.watchdog import Watchdog, describe_instruction
 from jaxpp_integration.schedules import (
     DualPipeV,
@@ -57,6 +59,7 @@ from jaxpp_integration.tools.report import EngineReport, build_report
 
 __all__ = [
     "Add",
+    "AutoReduction",
     "Concat",
     "DeviceBytes",
     "DualPipeV",
@@ -134,9 +137,6 @@ def _flat_specs(specs, args, what) -> list:
     return out
 
 
-GRADIENT_REDUCTIONS = ("step", "microbatch")
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """The keyword arguments of `mpmd_jit_with_loop`, checked once (see its docstring)."""
@@ -145,7 +145,7 @@ class EngineOptions:
     out_specs: Any = None
     donate_argnums: tuple = ()
     compile_threads: int = 0
-    gradient_reduction: str = "step"
+    gradient_reduction: Any = "auto"  # "auto" | "step" | "microbatch" | AutoReduction(...)
     pipeline_hang_timeout_s: float | None = None
     pipeline_fsdp_ag_once: bool = False
 
@@ -156,11 +156,7 @@ class EngineOptions:
         )
         object.__setattr__(self, "compile_threads", int(self.compile_threads))
         object.__setattr__(self, "pipeline_fsdp_ag_once", bool(self.pipeline_fsdp_ag_once))
-        if self.gradient_reduction not in GRADIENT_REDUCTIONS:
-            raise ValueError(
-                f"gradient_reduction={self.gradient_reduction!r} is not one of "
-                f"{', '.join(GRADIENT_REDUCTIONS)}"
-            )
+        _reduction.check_mode(self.gradient_reduction)
         timeout = self.pipeline_hang_timeout_s
         if timeout is not None and not timeout >= 0:
             raise ValueError(
@@ -190,6 +186,8 @@ class CompiledMpmdFunction:
     last_events: list | None = None
     last_device_bytes: DeviceBytes | None = None
     watchdog: Watchdog | None = None
+    reduction_choice: ReductionChoice | None = None  # what gradient_reduction decided
+    input_transfers: dict = dataclasses.field(default_factory=dict)  # see `_place_input`
     _report: EngineReport | None = None
     _ran: bool = False
 
@@ -320,16 +318,17 @@ class CompiledMpmdFunction:
                 return None
             if src == rank or not (src_here or here):
                 return None
-            mesh = self.mpmd_mesh
-            x = cross_process_transfer(
-                x.array_on(src) if src_here else None,
-                mesh.sharding(src, x.spec),
-                mesh.sharding(rank, x.spec),
-                x,
-                mesh.mpmd_axis_name,
-            )
-            if x is None:  # sent: the receiving process places it
+            key = (src, rank, x.spec, x.shape, x.dtype)  # its program and receive buffer, kept
+            if key not in self.input_transfers:
+                mesh = self.mpmd_mesh
+                link = Link(
+                    mesh.sharding(src, x.spec), mesh.sharding(rank, x.spec), x.shape, x.dtype
+                )
+                self.input_transfers[key] = CrossBatch([link], src_here, mesh.mpmd_axis_name)
+            got, _ = self.input_transfers[key]([x.array_on(src)] if src_here else None)
+            if got is None:  # sent: the receiving process places it
                 return None
+            x = got[0]
         if not here:
             return None
         if isinstance(x, jax.Array) and x.sharding == sharding:
@@ -391,10 +390,15 @@ def mpmd_jit_with_loop(fn=None, *, mpmd_mesh, **options):
     `compile_threads > 1` compiles independent task programs concurrently (for hosts with many
     free cores, e.g. GPU hosts; on a 2-core CPU it does not pay, so the default is off).
 
-    `gradient_reduction`: "step" (default) keeps the values `treduce` adds (gradients, loss
-    sums, token counts) unreduced over the data axes on each device and reduces them once per
-    step after the loop (equal to `jax.jit` up to the order of the sums, ~1e-7 relative);
-    "microbatch" reduces them in every task instance (bitwise equal to `jax.jit`).
+    `gradient_reduction` (the values `treduce` adds: gradients, loss sums, token counts),
+    per mesh axis that splits the batch rows (`compiler/reduction_plan.py`): "auto" (default)
+    keeps them unreduced over the axes their weight is replicated on (data) and reduces them
+    once per step after the loop, and reduce-scatters them into the weight's shard every
+    microbatch over the axes it is sharded on (fsdp), unless full-size partials fit the device
+    memory (`AutoReduction(device_memory_bytes=...)` to decide for other devices than these);
+    "step" defers over every axis (full-size partials over fsdp); both equal `jax.jit` up to
+    the order of the sums (~1e-7 relative). "microbatch" reduces them in every task instance
+    (bitwise equal to `jax.jit`). `compiled.reduction_choice` says what was chosen.
 
     `pipeline_hang_timeout_s`: under several processes, a process that waits longer than this
     for a cross-process transfer prints where it is in the schedule (instruction, task,
@@ -448,12 +452,11 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
     # Every process walks one global instruction order, so the transfers between any two
     # processes pair up for every schedule the validator accepts.
     schedule.validate(n_mb)
-    loop_body, deferred = loop_eqn.params["body"], None
-    if opts.gradient_reduction == "step":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            with mesh.lowering_mesh():
-                loop_body, deferred = _unreduced.defer_step_reductions(jaxpr, specs, mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with mesh.lowering_mesh():
+            reductions = _reduction.plan_reductions(jaxpr, specs, mesh, opts.gradient_reduction)
+    loop_body, deferred = reductions.body, reductions.deferred
     body = _partition.partition_body(
         loop_body,
         loop_eqn.params["n_consts"],
@@ -481,9 +484,9 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
             deferred=deferred,
             loop_body=loop_body,
             gather_specs=(
-                _unreduced.gather_specs(jaxpr, specs) if opts.pipeline_fsdp_ag_once else None
+                _reduction.gather_specs(jaxpr, specs) if opts.pipeline_fsdp_ag_once else None
             ),
-            reduce_specs=_unreduced.reduced_specs(jaxpr, specs, deferred) if deferred else None,
+            reduce_specs=reductions.reduce_specs,
         )
     )
     donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in opts.donate_argnums}
@@ -495,13 +498,25 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
     for j, slots in enumerate(prog.inputs):
         for r, s in slots.items():
             input_shardings[s] = mesh.sharding(r, input_specs[j])
-    executables, slot_sharding, stats = compile_program(
-        prog, mesh, input_shardings, cache={}, compile_threads=opts.compile_threads
-    )
     local = local_ranks(mesh)
-    walk = prepare(prog, executables, slot_sharding, local, mesh.mpmd_axis_name)
-    if jax.process_count() > 1:  # every process compiled everything: meet before the first step
-        _compile_barrier[0] += 1  # a fresh barrier name per compile, the same on every process
+    exchange = None
+    if jax.process_count() > 1:  # each process compiles its own groups' programs only
+        _compile_barrier[0] += 1  # a fresh name per compile, the same on every process
+        exchange = SpecExchange(
+            f"jaxpp_integration/compile_{_compile_barrier[0]}/specs", BARRIER_TIMEOUT_S
+        )
+    executables, slot_sharding, stats = compile_program(
+        prog,
+        mesh,
+        input_shardings,
+        cache={},
+        compile_threads=opts.compile_threads,
+        local_ranks=local,
+        exchange=exchange,
+    )
+    owners = [mesh.devices_of(r)[0].process_index for r in range(mesh.mpmd_dim)]
+    walk = prepare(prog, executables, slot_sharding, local, mesh.mpmd_axis_name, owners)
+    if exchange is not None:  # every process compiled its part: meet before the first step
         wait_at_barrier(f"jaxpp_integration_compiled_{_compile_barrier[0]}", BARRIER_TIMEOUT_S)
     out_specs = None
     if opts.out_specs is not None:
@@ -530,6 +545,7 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         local,
         stats,
         watchdog=_watchdog(opts.pipeline_hang_timeout_s, prog, mesh, local),
+        reduction_choice=reductions.choice,
     )
 
 

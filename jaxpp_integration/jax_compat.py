@@ -67,6 +67,21 @@ def wait_at_barrier(name: str, timeout_s: float) -> None:
     client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
 
 
+def kv_set(key: str, value: str) -> None:
+    """Stores `value` under `key` in `jax.distributed`'s key-value store (set once per key)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.key_value_set(key, value)
+
+
+def kv_get(key: str, timeout_s: float) -> str:
+    """The value under `key` in `jax.distributed`'s key-value store, waiting up to `timeout_s`
+    for another process to set it."""
+    from jax._src import distributed
+
+    return distributed.global_state.client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+
 def same_shard_layout(src, dst, shape) -> bool:
     """Whether `dst` cuts an array of `shape` into the same blocks, in the same device order, as
     `src` (the same spec on another group's devices): then a copy moves shard i to device i."""
@@ -237,3 +252,40 @@ def without_persistent_cache():
             yield
         finally:
             compilation_cache.reset_cache()
+
+
+@contextlib.contextmanager
+def persistent_cache_writes_here():
+    """Inside, a process other than process 0 writes the programs it compiles to JAX's
+    persistent compilation cache too. JAX writes from process 0 only (every process compiles the
+    same SPMD programs); a process that compiles only its own pipeline groups' programs is the
+    only one that has them, so without this a restart would compile them again. Use it only
+    around compiles of programs on this process's devices (other processes write theirs)."""
+    import threading
+
+    from jax._src import compilation_cache, compiler, config, distributed
+
+    original = compiler._cache_write
+    lock = threading.Lock()
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if distributed.global_state.process_id == 0:
+            return original(
+                cache_key, compile_time_secs, module_name, backend, executable, host_callbacks
+            )
+        if (
+            host_callbacks
+            or compile_time_secs < config.persistent_cache_min_compile_time_secs.value
+        ):  # noqa: E501
+            return None  # JAX's own rules for what it writes
+        with lock:
+            compilation_cache.put_executable_and_time(
+                cache_key, module_name, executable, backend, int(compile_time_secs)
+            )
+        return None
+
+    compiler._cache_write = write
+    try:
+        yield
+    finally:
+        compiler._cache_write = original

@@ -1,20 +1,21 @@
-"""The small model the trainer tests share (`SMALL_MODEL`, config overrides).
+"""The small model the trainer tests share (config overrides).
 
-4 llama layers so that pipeline_parallelism=4 has one layer per stage; width 32, 64-token
-vocabulary, 16-token sequences, global batch 8 everywhere.
+`SMALL_MODEL_SHAPE`: 4 llama layers so that pipeline_parallelism=4 has one layer per stage;
+width 32, 64-token vocabulary, 16-token sequences, global batch 8 everywhere. It keeps the
+trainer's default layout (`scan_layers: true`): tests of a feature run the default, and the
+unrolled layout as a variant (`tests/test_collectives_trainer.py`).
 
 adam_eps=1e-3: Adam divides each gradient by its own running magnitude, so for entries whose
 gradient is at rounding-noise level (~1e-9) it turns float32 summation-order noise into full-size
 updates; eps=1e-8 then shows 3e-5 relative parameter differences that come from Adam, not from the
 layout. A larger eps damps that, so cross-layout comparisons measure the layout.
 
-scan_layers=false: the bounds of the layout tests using this model were measured with unrolled
-layers (pipeline_parallelism=4 has one-layer stages, whose one-trip scans XLA inlines); scanned
-layouts are tested in tests/test_scanned_pipeline.py and tests/test_train.py.
+`SMALL_MODEL`: the same with scan_layers=false, for the layout tests whose bounds were measured
+with unrolled layers (pipeline_parallelism=4 has one-layer stages, whose one-trip scans XLA
+inlines); scanned layouts are tested in tests/test_scanned_pipeline.py and tests/test_train.py.
 """
 
-SMALL_MODEL = [
-    "scan_layers=false",
+SMALL_MODEL_SHAPE = [
     "emb_dim=32",
     "num_query_heads=4",
     "num_kv_heads=2",
@@ -29,3 +30,15 @@ SMALL_MODEL = [
     "learning_rate=1e-2",
     "adam_eps=1e-3",
 ]
+
+SMALL_MODEL = ["scan_layers=false", *SMALL_MODEL_SHAPE]
+
+
+def merged(*tokens: str) -> list[str]:
+    """`tokens` (a command line) with a later `key=value` replacing an earlier one of the same
+    key, for tests that add their own keys to a shared list: the command line itself refuses a
+    key given twice with different values."""
+    out: dict[str, str] = {}
+    for token in tokens:
+        out[token.split("=", 1)[0] if "=" in token else token] = token
+    return list(out.values())

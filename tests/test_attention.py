@@ -190,7 +190,8 @@ def test_cudnn_flash_needs_a_gpu(capsys):
     """On this CPU host attention=cudnn_flash is a config error: exit code 2 and one line."""
     from MaxText.train import main
 
-    code = main([str(CONFIGS_DIR / "base.yml"), *SMALL, "attention=cudnn_flash", "steps=1"])
+    keys = [*SMALL, "attention=cudnn_flash", "dtype=bfloat16", "steps=1"]  # float32: see
+    code = main([str(CONFIGS_DIR / "base.yml"), *keys])  # tests/test_gpu_defaults.py
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err == [
@@ -213,7 +214,7 @@ def test_chunked_under_sharding_and_pipelining():
     """attention=chunked (scan + custom VJP) inside a sharded step (fsdp 2 x tensor 2) and a
     pipelined one (2 groups): one training step gives the one-device loss and gradient norm,
     same 4 microbatches. Not bitwise: sharded reductions sum in another order; 1e-5."""
-    from small_model import SMALL_MODEL
+    from small_model import SMALL_MODEL, merged
 
     from MaxText import sharding
     from MaxText.cluster import devices
@@ -221,7 +222,7 @@ def test_chunked_under_sharding_and_pipelining():
 
     def one_step(*overrides):
         config = load_config(
-            [
+            merged(
                 str(CONFIGS_DIR / "base.yml"),
                 *SMALL_MODEL,
                 "num_decoder_layers=2",
@@ -229,7 +230,7 @@ def test_chunked_under_sharding_and_pipelining():
                 "attention_block_size=4",
                 "num_pipeline_microbatches=4",
                 *overrides,
-            ]
+            )
         )
         trainer = build_trainer(
             config, sharding.make_mesh(config, devices.setup(**config.device_args()))

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import sharding
 from MaxText.checkpoint import manager as checkpointing
@@ -53,13 +53,13 @@ COMMON = [
 
 
 def argv(base: Path, run: str, *overrides: str) -> list[str]:
-    return [
+    return merged(
         str(CONFIGS_DIR / "base.yml"),
         *COMMON,
         f"base_output_directory={base}",
         f"run_name={run}",
         *overrides,
-    ]
+    )
 
 
 def train(base: Path, run: str, *overrides: str) -> None:

@@ -1,10 +1,19 @@
-"""The trainer's `gradient_reduction` key: data-parallel all-reduces per step, counted in HLO.
+"""The trainer's `gradient_reduction` on its default path: collectives per step, in the HLO.
 
-pipeline_parallelism=2 x ici_data_parallelism=2 (llama blocks, embedding in stage 0, loss in
-stage 1). With "step" the loss sum, token count and every gradient stay unreduced during the
-loop and one `reduce_r` task per stage all-reduces them: the same launches at m = 4 and 8.
-With "microbatch" every loop task instance all-reduces: m times as many. The two modes add the
-same numbers in another order, so the losses agree to float rounding (1e-6), not bitwise.
+pipeline_parallelism=2 (llama blocks, embedding in stage 0, loss in stage 1) with the trainer's
+defaults: `scan_layers: true` (each stage's 2 layers one `scan`) and `gradient_reduction: auto`;
+unrolled layers as a variant. Counts are read from every task's compiled HLO times its
+instances, a collective inside a layer scan's `while` once per trip.
+
+- data=2: the loss sum, token count and every gradient stay unreduced during the loop (inside
+  the scans too) and one `reduce_r` task per stage all-reduces them: 0 reductions in the loop
+  tasks and 2 per step at m = 4 and 8.
+- data=2 x fsdp=2: over data the same; over fsdp each microbatch's gradient of a weight sharded
+  over fsdp is reduce-scattered into its shard in the backward task (m per such weight per
+  step), and the accumulators hold shards.
+- "microbatch" reduces in every task instance. The modes add the same numbers in another order,
+  so losses agree within 1e-6 relative and parameters within 1e-6 of each leaf's scale, not
+  bitwise.
 """
 
 from __future__ import annotations
@@ -12,109 +21,214 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL
+from compare import assert_close_per_leaf
+from small_model import SMALL_MODEL_SHAPE, merged
+from test_collectives_auto import _watch_inputs
 from test_train import make_batches
 
-from jaxpp_integration.tools.collectives import task_collectives
+from jaxpp_integration.tools.collectives import program_collectives, task_collectives
 from MaxText import sharding
+from MaxText.checkpoint.layout import canonical_tree
 from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.train_step import build_trainer
 
-
-def _trainer(tmp_path, m, mode, *extra):
-    config = load_config(
-        [
-            str(CONFIGS_DIR / "base.yml"),
-            *SMALL_MODEL,
-            "global_batch_size=16",
-            "pipeline_parallelism=2",
-            *(extra or ("ici_data_parallelism=2",)),
-            f"num_pipeline_microbatches={m}",
-            f"gradient_reduction={mode}",
-            "steps=2",
-            "warmup_steps_fraction=0",
-            "enable_progress_bar=false",
-            "enable_tensorboard=false",
-            f"base_output_directory={tmp_path}",
-        ]
-    )
-    return config, build_trainer(
-        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
-    )
+DATA2 = ("ici_data_parallelism=2",)
+DATA2_FSDP2 = ("ici_data_parallelism=2", "ici_fsdp_parallelism=2")
 
 
-def _losses(config, trainer, steps=2):
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory):
+    """Builds each (m, mode, extra keys) trainer once for the whole file; its 2-step run too."""
+    root = tmp_path_factory.mktemp("collectives_trainer")
+    built: dict = {}
+
+    def get(m, mode, *extra):
+        key = (m, mode, *extra)
+        if key not in built:
+            overrides = [f"num_pipeline_microbatches={m}", *extra]
+            if mode is not None:  # None: the default
+                overrides.append(f"gradient_reduction={mode}")
+            config = load_config(
+                merged(
+                    str(CONFIGS_DIR / "base.yml"),
+                    *SMALL_MODEL_SHAPE,
+                    "global_batch_size=16",
+                    "pipeline_parallelism=2",
+                    *overrides,
+                    "warmup_steps_fraction=0",
+                    "enable_progress_bar=false",
+                    "enable_tensorboard=false",
+                    f"base_output_directory={root}",
+                )
+            )
+            mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
+            built[key] = (config, build_trainer(config, mesh))
+        return built[key]
+
+    return get
+
+
+def _train(config, trainer, steps=2):
+    """(losses, parameters after each step as numpy, final state)."""
     state = trainer.init_state()
-    out = []
+    losses, params = [], []
     for batch in make_batches(config, steps):
         state, metrics = trainer.train_step(state, trainer.put_batch(batch))
-        out.append(float(np.asarray(metrics["loss"])))
-    return np.asarray(out)
+        losses.append(float(np.asarray(metrics["loss"])))
+        host = jax.tree.map(np.asarray, state["params"])  # canonical: layers_<i>, scanned or not
+        params.append(canonical_tree(host, take=lambda x, k: x[k], length=lambda x: x.shape[0]))
+    return np.asarray(losses), params, state
+
+
+def _loop(trainer, kind, axes=None):
+    return sum(task_collectives(trainer.train_step, p, kind, axes) for p in ("fwd_", "bwd_"))
+
+
+def _assert_same_training(ref, got):
+    """Losses of both steps within 1e-6 relative (measured 1.1e-7), parameters after the first
+    update within 1e-6 of each leaf's scale (measured 1.9e-7), after the second within 1e-6
+    except the token embedding, 2e-6 (measured 1.0e-6 at data=2, 1.8e-6 at data=2 x fsdp=2):
+    some embedding-gradient entries are sums of many tokens' contributions that nearly cancel,
+    so their rounding differences are large relative to them, and Adam, dividing each entry by
+    its own running magnitude, passes that on to the update (3.5e-5 of one entry's update)."""
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6, atol=0)
+    assert_close_per_leaf(ref[1][0], got[1][0], rtol=1e-6, what="after step 1: ")
+    last_ref, last_got = dict(ref[1][-1]), dict(got[1][-1])
+    emb_ref, emb_got = last_ref.pop("token_embedding"), last_got.pop("token_embedding")
+    assert_close_per_leaf(last_ref, last_got, rtol=1e-6, what="after step 2: ")
+    assert_close_per_leaf(emb_ref, emb_got, rtol=2e-6, what="after step 2: token_embedding")
+
+
+@pytest.mark.parametrize("m", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_default_defers_inside_scanned_stages(trainers, m):
+    """Default keys at pp=2 x data=2: no reduction in any loop task (counted per trip of the
+    layer scans), one all-reduce over data per stage after the loop: 2 per step at m = 4 and
+    at m = 8."""
+    config, trainer = trainers(m, None, *DATA2)
+    assert config.scan_layers and config.gradient_reduction == "auto"
+    assert _loop(trainer, "all-reduce") == 0 and _loop(trainer, "reduce-scatter") == 0
+    assert task_collectives(trainer.train_step, "reduce_", "all-reduce", ("data",)) == 2
+    counts = program_collectives(trainer.train_step)
+    assert counts["all-reduce"]["launches"] == 2
+    assert counts["reduce-scatter"]["launches"] == 0
+    assert trainer.train_step.reduction_choice.deferred_axes == ("data",)
+
+
+def test_default_trains_like_microbatch(trainers):
+    """The same 2 steps with gradient_reduction=microbatch (which reduces in every task
+    instance: m x the all-reduces of one microbatch): losses within 1e-6 relative, parameters
+    within 1e-6 of each leaf's scale."""
+    auto = trainers(4, None, *DATA2)
+    per_mb = trainers(4, "microbatch", *DATA2)
+    assert _loop(per_mb[1], "all-reduce", ("data",)) > 0
+    _assert_same_training(_train(*per_mb), _train(*auto))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("m", [4, 8])
-def test_trainer_gradient_reduction_launches(tmp_path, m):
-    config, step_mode = _trainer(tmp_path, m, "step")
-    _, per_mb = _trainer(tmp_path, m, "microbatch")
-    loop = lambda t: sum(task_collectives(t.train_step, p, "all-reduce") for p in ("fwd", "bwd"))
-    # "step": nothing reduced inside the loop; one all-reduce task per stage after it
-    assert loop(step_mode) == 0
-    assert task_collectives(step_mode.train_step, "reduce_", "all-reduce") == 2
-    # "microbatch": every forward/backward instance of both stages reduces: a multiple of m
-    assert loop(per_mb) >= 2 * m and loop(per_mb) % m == 0
-    np.testing.assert_allclose(
-        _losses(config, step_mode), _losses(config, per_mb), rtol=1e-6, atol=0
-    )
+def test_unrolled_layers_defer_too(trainers):
+    """The variant layout, scan_layers=false: 0 reductions in the loop tasks, 2 per step, and
+    the training of the scanned microbatch run within the same bounds (layers unrolled or
+    scanned train bitwise alike on one device: tests/test_train.py)."""
+    config, trainer = trainers(4, None, *DATA2, "scan_layers=false")
+    assert not config.scan_layers
+    assert _loop(trainer, "all-reduce") == 0
+    assert program_collectives(trainer.train_step)["all-reduce"]["launches"] == 2
+    _assert_same_training(_train(*trainers(4, "microbatch", *DATA2)), _train(config, trainer))
+
+
+def _fsdp_leaves_per_group(trainer, state):
+    """How many parameter leaves each group holds sharded over fsdp (read off the state)."""
+    counts = [0] * trainer.mpmd_mesh.mpmd_dim
+    for leaf in jax.tree.leaves(state["params"]):
+        (group,) = leaf.mpmd_idxs
+        spec = [a for e in leaf.sharding.spec for a in (e if isinstance(e, tuple) else (e,))]
+        counts[group] += "fsdp" in spec
+    return counts
 
 
 @pytest.mark.slow
-def test_trainer_fsdp_weights_gathered_once(tmp_path):
-    """pipeline_parallelism=2 x ici_fsdp_parallelism=2, m=4, with pipeline_fsdp_ag_once=true:
-    no loop task all-gathers a weight, the gather_r tasks (one per stage) do; without the key
-    the loop tasks gather in every instance (a multiple of m). Independence of m is the engine
-    test's (tests/test_collectives.py). Losses agree to 1e-6 (both defer the gradient sums)."""
-    fsdp = ("ici_fsdp_parallelism=2",)
-    loop = lambda t: sum(task_collectives(t.train_step, p, "all-gather") for p in ("fwd", "bwd"))  # noqa: E731
-    config, once = _trainer(tmp_path, 4, "step", *fsdp, "pipeline_fsdp_ag_once=true")
-    _, base = _trainer(tmp_path, 4, "step", *fsdp)
-    assert loop(once) == 0
-    assert task_collectives(once.train_step, "gather_", "all-gather") > 0
-    assert loop(base) >= 4 and loop(base) % 4 == 0
-    np.testing.assert_allclose(_losses(config, once), _losses(config, base), rtol=1e-6, atol=0)
+def test_auto_with_data_and_fsdp(trainers):
+    """pp=2 x data=2 x fsdp=2, m=4, default keys (XLA:CPU reports no device memory, so auto
+    scatters over fsdp): every weight sharded over fsdp gets one reduce-scatter over fsdp per
+    microbatch (4 x the count read off the state), no all-reduce in the loop; after it one
+    all-reduce over data per stage (the shards) and one over data+fsdp per stage (gradients of
+    weights replicated over fsdp, loss sum, token count). The accumulators reaching the
+    reduce_ tasks are, on every device of their group, [1, *shard]: split over data and fsdp.
+    Trains like gradient_reduction=microbatch (1e-6)."""
+    config, trainer = trainers(4, None, *DATA2_FSDP2)
+    compiled = trainer.train_step
+    choice = compiled.reduction_choice
+    assert (choice.deferred_axes, choice.scattered_axes) == (("data",), ("fsdp",))
+    seen, originals = [], dict(compiled.executables)
+    _watch_inputs(compiled, "reduce_", seen)
+    try:
+        got = _train(config, trainer)
+    finally:
+        compiled.executables.update(originals)
+    per_group = _fsdp_leaves_per_group(trainer, got[2])
+    assert all(per_group)
+    assert _loop(trainer, "reduce-scatter", ("fsdp",)) == 4 * sum(per_group)
+    assert _loop(trainer, "reduce-scatter") == 4 * sum(per_group)
+    assert _loop(trainer, "all-reduce") == 0
+    assert task_collectives(compiled, "reduce_", "all-reduce", ("data",)) == 2
+    assert task_collectives(compiled, "reduce_", "all-reduce", ("data", "fsdp")) == 2
+    scattered = 0
+    for rank, args in seen[-2:]:
+        group = {d.id for d in trainer.mpmd_mesh.devices_of(rank)}
+        for shape, shards in args:
+            assert {dev for dev, _ in shards} == group
+            split = {s for _, s in shards}
+            assert len(split) == 1
+            (local,) = split
+            assert local[0] == 1  # one data (or data x fsdp) slice of the partial per device
+            scattered += local[1:] != shape[1:]  # a shard of the weight's gradient
+    assert scattered == sum(per_group)
+    _assert_same_training(_train(*trainers(4, "microbatch", *DATA2_FSDP2)), got)
 
 
-def test_microbatch_reduction_accumulates_gradients_sharded_like_parameters(tmp_path):
-    """gradient_reduction=microbatch at fsdp=2: each microbatch's gradients are reduced to one
-    fsdp shard per device (XLA:CPU: an all-reduce and a slice; GPU backends form a
-    reduce-scatter) and the accumulators hold that shard, so every group's
-    gradient bytes equal its parameter bytes (the plan's replay of the program, against the
-    parameter shards' bytes read from the trainer's state); with "step" the deferred partial
-    sums are full-size per device: twice the parameters. Losses agree to rounding (1e-6)."""
+@pytest.mark.slow
+def test_planner_reports_gradient_bytes_and_launches(trainers):
+    """The plan of each mode, read off the compiled steps (pp=2 x data=2 x fsdp=2): "auto" and
+    "microbatch" accumulate one shard of every fsdp weight per device, so each group's gradient
+    bytes equal its parameter bytes (+ the loss-sum and token-count float32 scalars on the last
+    group); "step" keeps full-size partials: the fsdp weights twice over. The reductions it
+    reports are the program's own counts for the loop and reduce_ tasks."""
     from MaxText.planning import cost_model
     from MaxText.planning.hardware import cpu_hardware
 
-    extra = ("ici_fsdp_parallelism=2",)
-    config, per_mb = _trainer(tmp_path, 4, "microbatch", *extra)
-    _, step_mode = _trainer(tmp_path, 4, "step", *extra)
-    hardware = cpu_hardware(config.num_devices)
-    planned = {
-        mode: cost_model.plan_compiled(config, hardware, t.train_step, t.abstract_state)
-        for mode, t in (("microbatch", per_mb), ("step", step_mode))
-    }
-    last = len(planned["step"].groups) - 1
-    for g in planned["microbatch"].groups:
-        # + the loss-sum and token-count scalars (float32) on the last stage's group
-        assert g.grad_bytes == g.params_bytes + (8 if g.group == last else 0), g
-    for g in planned["step"].groups:
-        assert g.grad_bytes > 1.9 * g.params_bytes, g  # full-size partial sums per device
-    p = planned["microbatch"]
-    state = per_mb.init_state()
-    shard_bytes = sum(
-        leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state["params"])
-    )
-    assert sum(g.params_bytes for g in p.groups) == shard_bytes
-    np.testing.assert_allclose(
-        _losses(config, step_mode), _losses(config, per_mb), rtol=1e-6, atol=0
-    )
+    plans = {}
+    for mode in ("auto", "microbatch", "step"):
+        config, trainer = trainers(4, None if mode == "auto" else mode, *DATA2_FSDP2)
+        plans[mode] = cost_model.plan_compiled(
+            config, cpu_hardware(config.num_devices), trainer.train_step, trainer.abstract_state
+        )
+    last = len(plans["auto"].groups) - 1
+    for mode in ("auto", "microbatch"):
+        for g in plans[mode].groups:
+            assert g.grad_bytes == g.params_bytes + (8 if g.group == last else 0), (mode, g)
+    for g in plans["step"].groups:
+        assert g.grad_bytes > 1.9 * g.params_bytes, g
+    report = plans["auto"].gradients
+    assert report["mode"] == "auto" and report["scattered_axes"] == ["fsdp"]
+    assert report["grad_bytes"] == [g.grad_bytes for g in plans["auto"].groups]
+    config, trainer = trainers(4, None, *DATA2_FSDP2)
+    fsdp_leaves = sum(_fsdp_leaves_per_group(trainer, _train(config, trainer, steps=1)[2]))
+    assert report["reductions"]["reduce-scatter"]["fsdp"]["launches"] == 4 * fsdp_leaves
+    assert report["reductions"]["all-reduce"]["data"]["launches"] == 2
+    assert plans["step"].gradients["reductions"].keys() == {"all-reduce"}
+    assert plans["microbatch"].gradients["mode"] == "microbatch"
+
+
+@pytest.mark.slow
+def test_trainer_fsdp_weights_gathered_once(trainers):
+    """pipeline_fsdp_ag_once=true (pp=2 x data=2 x fsdp=2, m=4, gradient_reduction=step): no
+    loop task all-gathers a weight, the gather_r tasks (one per stage) do; without the key the
+    loop tasks gather in every instance (a multiple of m). Independence of m is the engine
+    test's (tests/test_collectives.py). Losses agree to 1e-6 (both defer the gradient sums)."""
+    config, once = trainers(4, "step", *DATA2_FSDP2, "pipeline_fsdp_ag_once=true")
+    _, base = trainers(4, "step", *DATA2_FSDP2)
+    assert _loop(once, "all-gather") == 0
+    assert task_collectives(once.train_step, "gather_", "all-gather") > 0
+    assert _loop(base, "all-gather") >= 4 and _loop(base, "all-gather") % 4 == 0
+    np.testing.assert_allclose(_train(config, once)[0], _train(config, base)[0], rtol=1e-6)

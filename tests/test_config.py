@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from MaxText.cluster import processes
 from MaxText.config import (
     CONFIGS_DIR,
     Config,
@@ -158,7 +159,7 @@ ERRORS = {
 def test_config_errors_in_process(case):
     overrides, fragment = ERRORS[case]
     with pytest.raises(ConfigError) as info:
-        load(*overrides)
+        load(*overrides).resolve_devices(8)  # a -1 axis is checked once the devices are known
     message = str(info.value)
     assert fragment in message and "\n" not in message
     if case == "unknown key":
@@ -182,7 +183,7 @@ def test_more_config_errors():
                 "pipeline_schedule=interleaved_1f1b",
                 "num_pipeline_microbatches=2",
             ],
-            "multiple of ici_pipeline_parallelism=4",
+            "needs num_pipeline_microbatches=2 to be a multiple of ici_pipeline_parallelism=4",
         ),
     ]
     for overrides, fragment in cases:
@@ -195,10 +196,139 @@ def test_yaml_with_base_config_inherits(tmp_path):
     mine = tmp_path / "mine.yml"
     mine.write_text(f"base_config: {BASE}\nsteps: 3\n")
     assert load_config([str(mine)]).steps == 3
-    partial = tmp_path / "partial.yml"
-    partial.write_text("steps: 3\n")
-    with pytest.raises(ConfigError, match="does not set"):
-        load_config([str(partial)])
+    for folder in (tmp_path, CONFIGS_DIR / "models"):  # the hint names a file that exists
+        partial = folder / "partial_for_test.yml"
+        partial.write_text("steps: 3\n")
+        try:
+            with pytest.raises(ConfigError, match="does not set") as info:
+                load_config([str(partial)])
+        finally:
+            partial.unlink()
+        hint = str(info.value).split("add `base_config: ")[1].split("`")[0]
+        assert (folder / hint).resolve() == Path(BASE).resolve(), hint
+        partial.write_text(f"base_config: {hint}\nsteps: 3\n")
+        try:
+            assert load_config([str(partial)]).steps == 3
+        finally:
+            partial.unlink()
+
+
+def test_yaml_syntax_errors_say_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text(f"base_config: {BASE}\nsteps: 3\n  seed: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config([str(bad)])
+    assert str(info.value) == (
+        f"config file {bad}:3:7 is not valid YAML: mapping values are not allowed here"
+    )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan", "-.inf", "1e999"])
+def test_numbers_must_be_finite(value, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load(f"learning_rate={value}")
+    assert str(info.value).startswith("learning_rate=") and str(info.value).endswith(
+        " (command line): must be a finite number"
+    )
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE}\nadam_eps: {value}\n")
+    with pytest.raises(ConfigError, match=f"adam_eps=.* \\({mine}\\): must be a finite number"):
+        load_config([str(mine)])
+
+
+def test_a_key_given_twice_must_agree():
+    with pytest.raises(ConfigError) as info:
+        load("model_name=tiny", "model_name=small")
+    assert str(info.value) == "model_name is given twice and disagrees (tiny vs small); set it once"
+    with pytest.raises(ConfigError, match=r"steps is given twice and disagrees \(1 vs 2\)"):
+        load("steps=1", "steps=2")
+    assert load("steps=2", "steps=2").steps == 2  # the same value twice is harmless
+
+
+def test_top_k_must_be_at_least_one():
+    """decode_sampling_top_k=0 used to reach jax.lax.top_k and fail with "argmax of an empty
+    sequence" at the first token."""
+    with pytest.raises(ConfigError) as info:
+        load("decode_sampling_top_k=0")
+    assert str(info.value) == "decode_sampling_top_k=0: must be >= 1"
+    assert load("decode_sampling_top_k=1").decode_sampling_top_k == 1
+
+
+# ------------------------------------------------- changing a config, and the devices step
+
+
+def test_replace_checks_and_derives_like_a_load():
+    c = load("pipeline_parallelism=2", "num_decoder_layers=5")
+    d = c.replace(num_pipeline_microbatches=4, pipeline_parallelism=1)
+    assert d == load(
+        "num_decoder_layers=5", "num_pipeline_microbatches=4", f"run_name={c.run_name}"
+    )
+    assert (d.num_stages, d.stage_layers, d.microbatch_size, d.run_name) == (1, (5,), 1, c.run_name)
+    assert c.num_stages == 2  # c itself is unchanged
+    with pytest.raises(ConfigError, match="must be a multiple of num_kv_heads=3"):
+        c.replace(num_kv_heads=3)
+    with pytest.raises(ConfigError, match="'stage_layers' .* is derived from other keys"):
+        c.replace(stage_layers=(4, 1))
+    with pytest.raises(ConfigError, match=r"steps='ten' \(Config.replace\): expected an integer"):
+        c.replace(steps="ten")
+
+
+def test_replace_starts_from_the_keys_as_given():
+    """Derivation runs on the keys as given, never on derived values: the parameter scale and
+    gradient accumulation are applied once however often a config is replaced."""
+    c = load(*BASE_MODEL, "global_parameter_scale=2", "gradient_accumulation_steps=2")
+    d = c.replace(steps=3).replace(seed=1)
+    assert (d.emb_dim, d.num_query_heads, d.mlp_dim) == (c.emb_dim, c.num_query_heads, c.mlp_dim)
+    assert (
+        (d.global_batch_size, d.num_pipeline_microbatches)
+        == (8, 2)
+        == (
+            c.global_batch_size,
+            c.num_pipeline_microbatches,
+        )
+    )
+    assert d.num_query_heads == 8 and d.steps == 3 and d.seed == 1
+
+
+def test_load_config_starts_no_backend(monkeypatch):
+    """A -1 axis and a launcher's processes stay pending: loading never asks JAX for devices or
+    starts jax.distributed; `resolve_devices` decides them from what the caller found."""
+    import jax
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_config touched JAX's devices")
+
+    for name in ("devices", "device_count", "local_devices", "process_count", "process_index"):
+        monkeypatch.setattr(jax, name, refuse)
+    monkeypatch.setattr(jax.distributed, "initialize", refuse)
+    c = load("ici_fsdp_parallelism=-1", "num_processes=-1", "pipeline_parallelism=2")
+    assert c.devices_pending and c.processes_pending and c.axes_pending
+    assert (c.num_devices, c.num_stages, c.global_batch_size) == (0, 0, 0)
+    with pytest.raises(AssertionError, match="resolve the devices first"):
+        c.device_args()
+    g = load("hardware=gpu_multiprocess")
+    assert g.processes_pending and not g.axes_pending
+    r = c.resolve_devices(8, coordinator_address="h:1", num_processes=2, process_id=1)
+    assert not r.devices_pending and (r.num_processes, r.process_id) == (2, 1)
+    assert (r.ici_fsdp_parallelism, r.num_devices, r.num_stages) == (4, 8, 2)
+    assert r == load(
+        "ici_fsdp_parallelism=4",
+        "pipeline_parallelism=2",
+        "coordinator_address=h:1",
+        "num_processes=2",
+        "process_id=1",
+        f"run_name={c.run_name}",
+    )
+    with pytest.raises(ConfigError, match="only one parallelism axis may be -1"):
+        load("ici_fsdp_parallelism=-1", "ici_data_parallelism=-1")
+
+
+def test_no_effect_maxtext_key_is_accepted_and_dropped(tmp_path):
+    c = load("override_model_config=true")
+    assert not hasattr(c, "override_model_config")
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE}\noverride_model_config: false\n")
+    assert load_config([str(mine)]).steps == c.steps
 
 
 @pytest.mark.parametrize("case", sorted(ERRORS))
@@ -338,8 +468,8 @@ def test_hardware_values():
     assert load("hardware=cpu").hardware == "cpu"
     with pytest.raises(ConfigError, match="^not supported here: hardware=tpu: "):
         load("hardware=tpu")
-    with pytest.raises(ConfigError, match="hardware=gpu_multiprocess found no cluster environment"):
-        load("hardware=gpu_multiprocess")
+    with pytest.raises(ConfigError, match="no srun or mpirun started this one"):
+        processes.for_config(load("hardware=gpu_multiprocess"), environ={})
 
 
 def test_per_device_batch_size_counts_every_device():
@@ -439,3 +569,59 @@ def test_other_maxtext_keys():
     assert load("opt_type=adafactor").opt_type == "adafactor"
     with pytest.raises(ConfigError, match="opt_type=muon is not one of adamw | adam | sgd"):
         load("opt_type=muon")
+
+
+def test_unreadable_checkpoint_is_a_checkpoint_error(tmp_path, capsys):
+    """A checkpoint that cannot be read is not a config error: its own type and prefix (exit 2),
+    a `UserError` as every error the user fixes."""
+    from MaxText.errors import CheckpointError, UserError
+    from MaxText.train import main
+
+    assert issubclass(CheckpointError, UserError) and not issubclass(CheckpointError, ConfigError)
+    empty = tmp_path / "empty"  # exists (a missing path is a config error, before compiling)
+    empty.mkdir()
+    code = main(
+        [
+            BASE,
+            "dataset_type=synthetic",
+            "num_decoder_layers=1",
+            "steps=1",
+            "eval_interval=0",
+            "enable_checkpointing=false",
+            "enable_tensorboard=false",
+            "enable_progress_bar=false",
+            f"base_output_directory={tmp_path}",
+            f"load_parameters_path={empty}",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == f"checkpoint error: {empty} holds no checkpoint", err
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "dualpipev"])
+def test_config_accepts_exactly_the_microbatches_the_engine_accepts(schedule):
+    """The config words the engine's rule (`STAGES_PER_RANK`, `Schedule.microbatch_rule`) in
+    keys instead of writing it again: for every count it agrees with the schedule's `tasks`."""
+    from jaxpp_integration.schedules import STAGES_PER_RANK, ScheduleError, schedule_from_name
+
+    repeats = STAGES_PER_RANK[schedule] or 2
+    for pp in (2, 3):
+        for m in range(1, 9):
+            try:
+                schedule_from_name(schedule, pp * repeats, pp).tasks(m)
+                engine = "ok"
+            except ScheduleError:
+                engine = "refused"
+            try:
+                load(
+                    f"pipeline_parallelism={pp}",
+                    f"pipeline_schedule={schedule}",
+                    f"num_pipeline_repeats={repeats}",
+                    f"num_decoder_layers={pp * repeats}",
+                    f"num_pipeline_microbatches={m}",
+                    f"global_batch_size={m}",
+                )
+                config = "ok"
+            except ConfigError:
+                config = "refused"
+            assert config == engine, (pp, m)

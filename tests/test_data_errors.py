@@ -37,7 +37,12 @@ def test_data_setting_errors_exit_2_with_one_line(tmp_path, capsys, overrides, e
     [
         (
             "tokenizer_type=tiktoken",
-            "tokenizer_type=tiktoken is not supported here: only sentencepiece",
+            "not supported here: tokenizer_type=tiktoken: read Llama 3's tokenizer.json with "
+            "tokenizer_type=huggingface instead",
+        ),
+        (
+            "tokenizer_type=huggingface",
+            "tokenizer_type=huggingface needs tokenizer_path= (a tokenizer.json file",
         ),
         ("dataset_type=grain", "dataset_type=grain needs grain_train_files="),
         ("dataset_type=grain grain_train_files=x", "eval_interval=100 needs held-out data"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import types
 
 import numpy as np
@@ -186,6 +187,29 @@ def test_shuffle_seed_and_state_fingerprint(prepared):
     state = make_data(config(shards)).train.get_state()
     other = make_data(config(shards, max_target_length=8))
     with pytest.raises(ValueError, match=r"max_target_length: saved 16, now 8"):
+        other.train.set_state(state)
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ({"process_count": 2}, "process_count: saved 1, now 2"),
+        ({"grain_train_files": "train-0000[01].array_record"}, "files: saved"),
+        ({"packing": False}, "packing: saved True, now False"),
+        ({"data_shuffle_seed": 1}, "seed: saved 0, now 1"),
+    ],
+    ids=["process_count", "shards", "packing", "seed"],
+)
+def test_state_refused_with_other_data(prepared, override, named):
+    """A saved position is refused, naming the key, when the process count, the shard set,
+    packing or the shuffle seed differ (max_target_length: the test above)."""
+    shards, _, _ = prepared
+    state = make_data(config(shards)).train.get_state()
+    if "grain_train_files" in override:
+        override = {"grain_train_files": str(shards / override["grain_train_files"])}
+        assert len(list(shards.glob("train-*"))) > len(list(shards.glob("train-0000[01].*"))) == 2
+    other = make_data(config(shards, **override))
+    with pytest.raises(ValueError, match=re.escape(named)):
         other.train.set_state(state)
 
 

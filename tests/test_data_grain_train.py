@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from compare import assert_bitwise
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText.config import CONFIGS_DIR
 from MaxText.data import prepare as prepare_lib
@@ -40,7 +40,7 @@ def shards(tmp_path_factory):
 
 
 def train(shards: Path, base: Path, run: str, *overrides: str) -> None:
-    argv = [
+    argv = merged(
         str(CONFIGS_DIR / "base.yml"),
         *SMALL_MODEL,
         "vocab_size=512",  # the prepared tokenizer has 320 pieces
@@ -57,7 +57,7 @@ def train(shards: Path, base: Path, run: str, *overrides: str) -> None:
         f"base_output_directory={base}",
         f"run_name={run}",
         *overrides,
-    ]
+    )
     assert main(argv) == 0
 
 
@@ -161,7 +161,7 @@ def test_trainer_memory_does_not_grow_with_dataset_size(shards, tmp_path):
         data = synthetic_shards(shards, tmp_path / f"x{factor}", 2000 * factor, 1000)
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)
-        argv = [
+        argv = merged(
             str(CONFIGS_DIR / "base.yml"),
             *SMALL_MODEL,
             "vocab_size=512",
@@ -174,7 +174,7 @@ def test_trainer_memory_does_not_grow_with_dataset_size(shards, tmp_path):
             "enable_tensorboard=false",
             f"base_output_directory={tmp_path}",
             f"run_name=x{factor}",
-        ]
+        )
         proc = subprocess.run(
             [sys.executable, "-c", RSS_SCRIPT, *argv],
             cwd=Path(__file__).resolve().parent.parent,
@@ -203,7 +203,7 @@ def test_two_process_pipelined_grain_run_equals_one_process(shards, tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    common = [
+    common = merged(
         "configs/base.yml",
         *SMALL_MODEL,
         "vocab_size=512",
@@ -217,7 +217,7 @@ def test_two_process_pipelined_grain_run_equals_one_process(shards, tmp_path):
         "enable_tensorboard=false",
         "enable_progress_bar=false",
         f"base_output_directory={tmp_path}",
-    ]
+    )
     launch = [sys.executable, "-m", "MaxText.launch", "--num_processes", "2", "--timeout", "900"]
     for cmd in (
         [*launch, "--", *common, "run_name=two"],

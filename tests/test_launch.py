@@ -1,17 +1,19 @@
-"""The trainer under 2 processes (MaxText.launch) equals the single-process run, and its
-checkpoints move between process counts."""
+"""The trainer under 2 processes (started as `srun` would, and by MaxText.launch) equals the
+single-process run, and its checkpoints move between process counts."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +41,19 @@ def test_launch_usage_errors():
     assert out.returncode == 2 and "usage" in out.stdout
 
 
+def test_auto_pipeline_keys_refused_under_several_processes(tmp_path):
+    """The planner needs every group's compiled programs, which no process has when each
+    compiles only its own: `auto` pipeline keys stop at exit 2 with the fix, before compiling."""
+    args = [*SMALL_MODEL, "dataset_type=synthetic", "steps=1", f"base_output_directory={tmp_path}"]
+    cmd = [sys.executable, "-m", "MaxText.launch", "--num_processes", "2", "--timeout", "120"]
+    cmd += ["--", "configs/base.yml", *args, "pipeline_parallelism=2", "pipeline_stage_layers=auto"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, (done.stdout + done.stderr)[-3000:]
+    for p in range(2):
+        assert f"[p{p}] config error: 'auto' pipeline keys need the planner" in done.stdout
+    assert "run `python -m MaxText.plan` with the same arguments on one host" in done.stdout
+
+
 # tests/test_checkpointing.py's run: the small model, 20-step schedule, checkpoints every 5.
 SMALL = [
     "configs/base.yml",
@@ -57,8 +72,62 @@ SMALL = [
 ]
 
 
-def _train(out: Path, run: str, processes: int, *overrides: str) -> str:
-    args = [*SMALL, f"base_output_directory={out}", f"run_name={run}", *overrides]
+def _srun_env(num_processes: int) -> list[dict]:
+    """The environment `srun --ntasks=N` gives its N tasks on one node (127.0.0.1), with a job id
+    whose coordinator port (61440 + id % 4096, see MaxText/cluster/processes.py) is free."""
+    for port in random.sample(range(61440, 65536), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        break
+    common = {
+        "SLURM_JOB_ID": str(port - 61440),
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": str(num_processes),
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_TASKS_PER_NODE": str(num_processes),
+        "SLURM_NODEID": "0",
+    }
+    return [
+        {**_env(), **common, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
+        for i in range(num_processes)
+    ]
+
+
+def _srun(args: list[str], num_processes: int) -> str:
+    """`train.py ARGS num_processes=-1` in each task of a faked srun step; their output, each
+    line prefixed with [pI] as MaxText.launch does."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "train.py", *args, "num_processes=-1"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for env in _srun_env(num_processes)
+    ]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    log = "".join(f"[p{i}] {line}\n" for i, out in enumerate(outs) for line in out.splitlines())
+    assert all(p.returncode == 0 for p in procs), log[-3000:]
+    return log
+
+
+def _compiled_here(process: int, groups: list[int], compiles: int) -> str:
+    """The trainer's log line on what one process compiled."""
+    return (
+        f"process {process}: task programs of groups {groups} compiled here: {compiles} XLA "
+        "compiles, 0 loaded onto another group"
+    )
+
+
+def _train(out: Path, run: str, processes: int, *overrides: str, srun: bool = False) -> str:
+    args = merged(*SMALL, f"base_output_directory={out}", f"run_name={run}", *overrides)
+    if srun:
+        return _srun(args, processes)
     if processes == 1:
         cmd = [sys.executable, "train.py", *args]
     else:
@@ -71,17 +140,25 @@ def _train(out: Path, run: str, processes: int, *overrides: str) -> str:
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_checkpoints_move_between_them(tmp_path):
-    """2 processes (MaxText.launch, pp=2, one group each) train and evaluate bitwise like 1
-    process; a checkpoint written by 2 processes resumes in 1, and a single-process checkpoint
-    resumes in 2: steps 6-10 equal the uninterrupted 2-process run bitwise (the checkpoint holds
-    the canonical tree; only where it is read from changes). A resume at the same process count
-    is the in-process tests' case (tests/test_checkpointing.py)."""
-    log = _train(tmp_path, "two", 2, "pipeline_parallelism=2")
-    assert "[p0]" in log and "[p1]" in log
+    """2 processes (pp=2, one group each) train and evaluate bitwise like 1 process, each
+    compiling only its own group's task programs (6 each; one process compiles 12); a checkpoint
+    written by 2 processes resumes in 1, and a single-process checkpoint resumes in 2: steps 6-10
+    equal the uninterrupted 2-process run bitwise (the checkpoint holds the canonical tree; only
+    where it is read from changes). The first 2-process run is started as `srun` starts its
+    tasks (SLURM's variables, `num_processes=-1`), the resume by MaxText.launch (explicit keys).
+    A resume at the same process count is the in-process tests' case
+    (tests/test_checkpointing.py)."""
+    log = _train(tmp_path, "two", 2, "pipeline_parallelism=2", srun=True)
+    assert "[p0] srun: process 0 of 2, coordinator 127.0.0.1:" in log
+    assert "[p1] srun: process 1 of 2, coordinator 127.0.0.1:" in log
+    # each process compiles only its own group's task programs: half of what one process does
+    for p in range(2):
+        assert f"[p{p}] {_compiled_here(p, [p], 6)}" in log, log[-3000:]
     full = _losses(tmp_path, "two")
     assert sorted(full) == list(range(1, 11))
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["10", "5"]
-    _train(tmp_path, "one", 1, "pipeline_parallelism=2", "steps=5")
+    log = _train(tmp_path, "one", 1, "pipeline_parallelism=2", "steps=5")
+    assert _compiled_here(0, [0, 1], 12) in log, log[-3000:]
     one = _losses(tmp_path, "one")
     assert [one[s] for s in range(1, 6)] == [full[s] for s in range(1, 6)]
     # the forward-only eval pipeline: its sums live on process 1's group and are broadcast

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from small_model import merged
 
 from jaxpp_integration.frontend import marker as jaxpp_marker
 from MaxText import sharding
@@ -36,7 +37,7 @@ GPT = ("decoder_block=gpt", "logits_via_embedding=true")
 
 @functools.cache
 def small_config(*overrides: str):
-    return load_config([str(CONFIGS_DIR / "base.yml"), *SMALL, *overrides])
+    return load_config(merged(str(CONFIGS_DIR / "base.yml"), *SMALL, *overrides))
 
 
 def tokens(config, batch=2, seed=0):

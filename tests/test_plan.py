@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import plan
 from MaxText.cluster import devices
@@ -27,7 +27,7 @@ BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
 
 
 def _config(*overrides):
-    config = load_config([*BASE, *overrides])
+    config = load_config(merged(*BASE, *overrides))
     devices.setup(**config.device_args())
     return config
 
@@ -144,6 +144,16 @@ def test_command_exit_codes_and_json(tmp_path, capsys):
         "num_microbatches",
         "groups",
         "predicted",
+        "gradients",
+    }
+    assert set(data["gradients"]) == {
+        "mode",
+        "deferred_axes",
+        "scattered_axes",
+        "grad_bytes",
+        "reductions",
+        "in_loop_tasks",
+        "reductions_per_group",
     }
     assert data["fits"] is True and data["hardware"] == "h100"
     assert set(data["predicted"]) == {"step_time_s", "bubble", "mfu"}
@@ -179,7 +189,7 @@ def test_trainer_resolves_auto_schedule_microbatches_and_split(caplog):
     ]
     config = _config(*argv[1:])
     caplog.set_level("INFO", logger="MaxText")
-    got = plan_auto.resolve_auto(argv, config, cpu_hardware(config.num_devices))
+    got = plan_auto.resolve_auto(config, cpu_hardware(config.num_devices))
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("auto schedule: ") for line in lines), lines
     assert any(line.startswith("runner-up: ") for line in lines), lines

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import memory, sharding
 from MaxText.cluster import devices
@@ -33,7 +33,12 @@ PROFILED = [
 
 def build(tmp_path, *overrides):
     config = load_config(
-        [str(CONFIGS_DIR / "base.yml"), *PROFILED, f"base_output_directory={tmp_path}", *overrides]
+        merged(
+            str(CONFIGS_DIR / "base.yml"),
+            *PROFILED,
+            f"base_output_directory={tmp_path}",
+            *overrides,
+        )
     )
     return config, build_trainer(
         config, sharding.make_mesh(config, devices.setup(**config.device_args()))
@@ -133,7 +138,7 @@ def test_device_memory_in_use_counts_the_initialised_state(spmd_run):
 
 
 def test_profiler_keys_validated(tmp_path):
-    with pytest.raises(ConfigError, match="profiler=nsys is not supported here"):
+    with pytest.raises(ConfigError, match="not supported here: profiler=nsys: run train.py under"):
         load_config([str(CONFIGS_DIR / "base.yml"), "profiler=nsys"])
     with pytest.raises(ConfigError, match="profiler_steps=0: must be >= 1"):
         load_config([str(CONFIGS_DIR / "base.yml"), "profiler=xplane", "profiler_steps=0"])

@@ -8,7 +8,7 @@ import itertools
 import random
 
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import plan
 from MaxText.cluster import devices
@@ -22,7 +22,7 @@ BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic"]
 
 
 def _config(*overrides):
-    config = load_config([*BASE, *overrides])
+    config = load_config(merged(*BASE, *overrides))
     devices.setup(**config.device_args())
     return config
 
@@ -115,7 +115,7 @@ def compiled_by_policy():
     hardware = cpu_hardware(config.num_devices)
     plans = {}
     for policy in ("full", "none", "minimal"):
-        one = dataclasses.replace(config, remat_policy=policy, stage_remat=(policy,) * 2)
+        one = config.replace(remat_policy=policy)
         plans[policy] = cost_model.plan_pipelined(one, hardware)
     return config, hardware, plans
 
@@ -152,7 +152,7 @@ def test_planner_picks_the_policy_the_compiled_programs_say_fits(compiled_by_pol
     peak = {p: max(g.peak_bytes for g in plans[p].groups) for p in plans}
     assert peak["minimal"] < peak["none"]
     budget = (peak["minimal"] + peak["none"]) / 2 * 1.02
-    auto = dataclasses.replace(config, remat_auto=True)
+    auto = config.replace(remat_policy="auto")
     got = plan_auto.plan_remat_auto(
         auto, dataclasses.replace(hardware, memory_bytes=budget), plans["full"]
     )
@@ -179,13 +179,13 @@ def test_trainer_resolves_remat_auto_to_typed_keys(caplog):
     config = _config(*argv[1:])
     assert config.remat_auto and config.stage_remat == ("full", "full")
     caplog.set_level("INFO", logger="MaxText")
-    got = plan_auto.resolve_auto(argv, config, cpu_hardware(config.num_devices))
+    got = plan_auto.resolve_auto(config, cpu_hardware(config.num_devices))
     assert not got.remat_auto and got.stage_remat == ("none", "none")
     assert got.pipeline_stage_remat == "none,none"
     assert any(r.getMessage().startswith("remat_policy=auto: ") for r in caplog.records)
 
     spmd = _config("remat_policy=auto")
-    got = plan_auto.resolve_auto([*BASE, "remat_policy=auto"], spmd, cpu_hardware(1))
+    got = plan_auto.resolve_auto(spmd, cpu_hardware(1))
     assert got.remat_policy == "none" and not got.remat_auto
 
 

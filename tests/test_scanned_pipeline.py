@@ -9,14 +9,13 @@ per-layer parameters. Reference for checkpoints: the state that was saved.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import numpy as np
 import pytest
 from compare import assert_bitwise, assert_close_per_leaf, assert_on_group
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import sharding
 from MaxText.checkpoint.layout import CanonicalLayout, canonical_tree, numpy_stack
@@ -32,7 +31,9 @@ COMMON = [*SMALL_MODEL, "warmup_steps_fraction=0", "num_pipeline_microbatches=4"
 
 def config_of(tmp_path, *overrides):
     return load_config(
-        [str(CONFIGS_DIR / "base.yml"), *COMMON, f"base_output_directory={tmp_path}", *overrides]
+        merged(
+            str(CONFIGS_DIR / "base.yml"), *COMMON, f"base_output_directory={tmp_path}", *overrides
+        )
     )
 
 
@@ -292,7 +293,8 @@ def _trainer(base, *overrides):
 def _checkpoints(config, trainer, run_dir):
     from MaxText.checkpoint.manager import Checkpoints
 
-    config = dataclasses.replace(config, enable_checkpointing=True, output_dir=str(run_dir))
+    run = dict(base_output_directory=str(run_dir.parent), run_name=run_dir.name)
+    config = config.replace(enable_checkpointing=True, **run)
     return Checkpoints(config, trainer)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from small_model import SMALL_MODEL
+from small_model import SMALL_MODEL, merged
 
 from MaxText import sharding
 from MaxText.cluster import devices
@@ -42,7 +42,9 @@ SMALL = [
 
 def small_config(tmp_path, *overrides):
     return load_config(
-        [str(CONFIGS_DIR / "base.yml"), *SMALL, f"base_output_directory={tmp_path}", *overrides]
+        merged(
+            str(CONFIGS_DIR / "base.yml"), *SMALL, f"base_output_directory={tmp_path}", *overrides
+        )
     )
 
 
@@ -202,11 +204,8 @@ METRIC_KEYS = {
 
 def loop_config(config, tmp_path, **loop_keys):
     """The same model and step with other loop-only keys (logging, evaluation, outputs)."""
-    output_dir = str(tmp_path / "run")
-    metrics_file = os.path.join(output_dir, "metrics.jsonl")
-    return dataclasses.replace(
-        config, output_dir=output_dir, metrics_file=metrics_file, **loop_keys
-    )
+    keys = dict(base_output_directory=str(tmp_path), run_name="run", metrics_file="")
+    return config.replace(**keys, **loop_keys)
 
 
 def _tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
@@ -256,7 +255,7 @@ def test_loop_writes_metrics_and_evaluates(one_device_trainer, one_device, tmp_p
     assert [r["step"] for r in records] == [1, 2, 3]  # eval every step forces a record
     config = loop_config(config, tmp_path / "b", log_period=2, eval_interval=0)
     custom = tmp_path / "elsewhere" / "m.jsonl"  # metrics_file= (MaxText's key): any path
-    config = dataclasses.replace(config, metrics_file=str(custom))
+    config = config.replace(metrics_file=str(custom))
     run(config, trainer, _Data(config))
     assert not (tmp_path / "b" / "run" / "metrics.jsonl").exists()
     plain = [json.loads(line) for line in custom.read_text().splitlines()]

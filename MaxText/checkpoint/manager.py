@@ -44,8 +44,9 @@ part; on restore a process reads only the leaves its groups hold (orbax's placeh
 rest). Whether a step is readable is agreed by all processes: it is used only if every process
 read it, and moved aside only if none could.
 
-Errors the user can fix (a checkpoint of a different model, a different seed or dataset, every
-checkpoint unreadable) raise `ConfigError` with one line.
+Errors the user can fix raise one line: `ConfigError` when the checkpoint disagrees with the
+config (a different model, seed or dataset), `CheckpointError` when there is no readable
+checkpoint where one was asked for.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from MaxText.checkpoint import parameters
 from MaxText.checkpoint.integrity import (
     UnreadableCheckpointError,  # noqa: F401 (part of this module's interface)
     check_files,
@@ -72,6 +74,7 @@ from MaxText.checkpoint.integrity import (
 )
 from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for, restore_args
 from MaxText.config import Config, ConfigError
+from MaxText.errors import CheckpointError, UserError
 
 # orbax is imported where it is used: importing it logs through absl, which installs a root log
 # handler when there is none yet and so would swallow the trainer's `logging.basicConfig`.
@@ -177,15 +180,15 @@ def restore_latest(
     `abstract_tree` gives the structure and shapes to read from the `state` item (all of it, or
     with `partial` a sub-tree such as `{"params": ...}`); `shardings` one sharding per leaf.
     Unreadable checkpoints are skipped with a warning (and moved to `quarantine` if given).
-    Returns None when there is no checkpoint at all; raises ConfigError when none is readable or
-    the checkpoint holds a different model than `config`.
+    Returns None when there is no checkpoint at all; raises CheckpointError when none is
+    readable, ConfigError when the checkpoint holds a different model than `config`.
     """
     import orbax.checkpoint as ocp
 
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
-            raise ConfigError(f"no complete checkpoint for step {step} in {directory}")
+            raise CheckpointError(f"no complete checkpoint for step {step} in {directory}")
         steps = [step]
     if not steps:
         return None
@@ -204,7 +207,7 @@ def restore_latest(
                 _check_model(meta["config"], config, step_dir)
             state = _read_state(manager, s, step_dir, treedef, items, args, partial)
             restored = Restored(step=s, directory=step_dir, state=state, items=meta)
-        except ConfigError:
+        except UserError:
             raise  # the same on every process: it holds another model
         except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)
             if not is_storage_error(e):
@@ -220,7 +223,7 @@ def restore_latest(
         # Moved aside only when no process could read it (a checkpoint one process reads is not
         # corrupt: the others see another filesystem or failed for another reason).
         _skip(step_dir, error, quarantine if readable == 0 else None, skipped)
-    raise ConfigError(
+    raise CheckpointError(
         f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); move the folder "
         f"away to start the run from scratch"
     )
@@ -238,7 +241,7 @@ def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict
 
 def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
     if saved.get("format", 1) < 2 and saved.get("scan_layers"):
-        raise ConfigError(
+        raise CheckpointError(
             f"checkpoint {step_dir} was written with scan_layers=true in checkpoint format 1 "
             f"(layers stacked on disk), which this version no longer reads; re-save it with the "
             f"version that wrote it, or start a new run_name"
@@ -303,14 +306,22 @@ def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: li
 def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
     """(step, config dict) of the newest checkpoint under `path` whose config item reads.
 
-    `path` is a run folder, its checkpoints folder, or one step's folder. Raises ConfigError when
-    there is none.
+    `path` is a run folder, its checkpoints folder, or one step's folder. Raises CheckpointError
+    when there is none.
     """
     import orbax.checkpoint as ocp
 
+    location = parameters.locate(path)
+    if location is not None:  # a parameters-only checkpoint (<root>/<step>/items)
+        saved = parameters.read_config(location)
+        if saved is None:
+            raise ConfigError(
+                f"{location.item_dir} has no saved config; give the model keys on the command line"
+            )
+        return location.step, saved
     directory, step = find_step_dir(path)
     if not directory.is_dir():
-        raise ConfigError(f"{path} does not exist")
+        raise CheckpointError(f"{path} does not exist")
     manager = _open_manager(directory, None, read_only=True)
     try:
         steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
@@ -325,7 +336,7 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
                 log.warning("checkpoint %s is unreadable, skipping it (%s)", directory / str(s), e)
     finally:
         manager.close()
-    raise ConfigError(f"no readable checkpoint in {directory}")
+    raise CheckpointError(f"no readable checkpoint in {directory}")
 
 
 def load_params(
@@ -346,11 +357,14 @@ def read_params(
     """The canonical `params` tree of the newest readable checkpoint under `path`.
 
     With `shardings` (one per leaf) they are placed as global arrays; without, they are numpy
-    arrays.
+    arrays. `path` may also be a parameters-only checkpoint (`parameters.py`: `OUT/0/items`).
     """
+    location = parameters.locate(path)
+    if location is not None:
+        return _read_parameters_only(location, canonical_params, config, shardings)
     directory, step = find_step_dir(path)
     if not directory.is_dir():
-        raise ConfigError(f"{path} does not exist")
+        raise CheckpointError(f"{path} does not exist")
     manager = _open_manager(directory, None, read_only=True)
     try:
         restored = restore_latest(
@@ -367,8 +381,20 @@ def read_params(
     finally:
         manager.close()
     if restored is None:
-        raise ConfigError(f"{path} holds no checkpoint")
+        raise CheckpointError(f"{path} holds no checkpoint")
     return restored.state["params"], restored
+
+
+def _read_parameters_only(
+    location: parameters.Location, canonical_params: Any, config: Config | None, shardings: Any
+) -> tuple[Any, Restored]:
+    saved = parameters.read_config(location)
+    step_dir = location.root / str(location.step)
+    if saved is not None and config is not None:
+        _check_model(saved, config, step_dir)
+    params = parameters.read_params(location, canonical_params, shardings)
+    items = {"config": saved or {}}
+    return params, Restored(location.step, step_dir, {"params": params}, items)
 
 
 # ----------------------------------------------------------------------------------- the seams

@@ -1,14 +1,18 @@
-"""Which devices a run uses: multi-host bootstrap and CPU device emulation.
+"""Which devices a run uses: multi-process bootstrap and CPU device emulation.
 
-JAX fixes its device list when its backends initialise (the first array operation). `setup` must
-therefore run before anything touches a device: it starts `jax.distributed` when the config asks
-for several processes, and on a host without an accelerator it asks XLA for as many CPU devices as
-the parallelism needs (`jax_num_cpu_devices`) and logs one line saying so. On a GPU host that has
-too few devices it fails with a clear message instead.
+JAX fixes its device list when its backends initialise (the first array operation). `start`
+(or `setup`, for a config with nothing pending) must therefore run before anything touches a
+device: it starts `jax.distributed` when the run has several processes, and on a host without an
+accelerator it asks XLA for as many CPU devices as the parallelism needs (`jax_num_cpu_devices`)
+and logs one line saying so. On a GPU host that has too few devices it fails with a clear message.
 
-This module takes plain values (device counts, the coordinator's address), never the `Config`:
-`config.py` calls `available_device_count` to resolve a `-1` parallelism axis, and callers pass
-`**config.device_args()` to `setup`.
+`start(config)` is the second step of loading a config (`load_config` starts nothing): it takes
+the processes from the launcher when the config asks for that (`MaxText.cluster.processes`),
+counts the devices when an ici axis is -1, returns the config with those decided
+(`Config.resolve_devices`) and the devices. `jax.distributed` is started with JAX's cluster
+detection off: the processes are already known, and under SLURM or Open MPI the detection would
+give each process a single GPU, while a pipeline group needs all GPUs of its node in one process.
+`setup` takes plain values (`**config.device_args()`).
 """
 
 from __future__ import annotations
@@ -19,43 +23,55 @@ import re
 
 import jax
 
+from MaxText.cluster import processes
+from MaxText.config import Config
 from MaxText.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 def _distributed_initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Starts `jax.distributed` for several processes; every process keeps all of its devices."""
     if num_processes <= 1 or jax.distributed.is_initialized():
         return
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
+        cluster_detection_method="deactivate",
     )
 
 
-def available_device_count(coordinator_address: str, num_processes: int, process_id: int) -> int:
-    """Devices JAX sees without emulating more (initialises the backends)."""
-    _distributed_initialize(coordinator_address, num_processes, process_id)
-    return jax.device_count()
+def start(config: Config, environ=None) -> tuple[Config, list[jax.Device]]:
+    """`config` with its pending device keys decided, and the devices of the run (`setup`).
 
-
-def cluster_process(hardware: str) -> tuple[int, int]:
-    """(num_processes, process_id) for `hardware=gpu_multiprocess` without a coordinator_address:
-    `jax.distributed.initialize()` finds the cluster (SLURM, Open MPI, Kubernetes, ...) itself,
-    as in MaxText. Raises ConfigError with one line when no cluster environment is found."""
-    assert hardware == "gpu_multiprocess", hardware
-    if not jax.distributed.is_initialized():
-        try:
-            jax.distributed.initialize()
-        except (ValueError, RuntimeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(
-                f"hardware=gpu_multiprocess found no cluster environment ({first}); start one "
-                f"process per GPU under SLURM/Open MPI, or set coordinator_address=host:port "
-                f"num_processes=N process_id=I"
-            ) from None
-    return jax.process_count(), jax.process_index()
+    The processes come from the launcher when the config asks for it (`processes.for_config`;
+    `environ` defaults to `os.environ`); a -1 ici axis takes the devices JAX sees once
+    `jax.distributed` runs (every process's, without emulating more)."""
+    procs = processes.for_config(config, environ)
+    if config.processes_pending:
+        log.info(
+            "%s: process %d of %d, coordinator %s",
+            procs.launcher,
+            procs.process_id,
+            procs.num_processes,
+            procs.coordinator_address,
+        )
+        config = config.resolve_devices(
+            coordinator_address=procs.coordinator_address,
+            num_processes=procs.num_processes,
+            process_id=procs.process_id,
+        )
+    if config.axes_pending:
+        _distributed_initialize(config.coordinator_address, config.num_processes, config.process_id)
+        config = config.resolve_devices(jax.device_count())
+    devices = setup(**config.device_args())
+    if procs.per_node > 1 and devices[0].platform == "gpu":
+        raise ConfigError(
+            f"{procs.launcher} started {procs.per_node} processes on this node; "
+            f"{processes.ONE_PER_NODE}"
+        )
+    return config, devices
 
 
 def _requested_cpu_devices() -> int:
@@ -142,6 +158,14 @@ def setup(
             log.info(
                 "%s %d CPU devices for %s (this host has no accelerator)", how, needed, parallelism
             )
+    elif num_processes > 1 and min(local := _per_process(devices, num_processes)) < per_process:
+        short = local.index(min(local))
+        raise ConfigError(
+            f"{parallelism} needs {needed} devices, {per_process} in each of {num_processes} "
+            f"processes, but process {short} has {local[short]} {platform.upper()} devices; "
+            f"{processes.ONE_PER_NODE}, and do not give each process one GPU "
+            f"(CUDA_VISIBLE_DEVICES, JAX_LOCAL_DEVICE_IDS)"
+        )
     elif len(devices) < needed:
         raise ConfigError(
             f"{parallelism} needs {needed} devices but this host has {len(devices)} "
@@ -153,3 +177,7 @@ def setup(
         by_process = [[d for d in devices if d.process_index == p] for p in range(num_processes)]
         return [d for local in by_process for d in local[:per_process]][:needed]
     return devices[:needed]
+
+
+def _per_process(devices: list[jax.Device], num_processes: int) -> list[int]:
+    return [sum(d.process_index == p for d in devices) for p in range(num_processes)]

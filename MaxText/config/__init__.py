@@ -1,18 +1,19 @@
 """The trainer's configuration: `load_config(argv) -> Config` (frozen, validated once).
 
-- `loader.py`: the `Config` fields, YAML + `key=value` merging, type checks, derived values;
-- `checks.py`: data, attention and profiler keys; `mesh.py`: the parallelism axes and MaxText's
-  -1 fill; `pipeline.py`: schedule, stages, layers and remat per stage, microbatches;
-- `maxtext_compat.py`: MaxText's key names and values; `unsupported_keys.py`: MaxText keys this
-  trainer refuses, each with its reason.
+- `loader.py`: the `Config` fields with their constraints, loading (YAML layers + `key=value`),
+  `Config.replace` and `Config.resolve_devices`;
+- `rules.py`: the rules between keys and the derived values; `mesh.py`: the parallelism axes and
+  MaxText's -1 fill; `pipeline.py`: schedule, stages, layers and remat per stage, microbatches;
+- `maxtext_compat.py`: MaxText's key names and values; `unsupported_keys.py`: MaxText keys and
+  values this trainer refuses, each with its reason.
 """
 
 from MaxText.config.loader import (  # noqa: F401  (the package's public names)
+    ALIASES,
     ATTENTION_KERNELS,
-    AUTO_KEYS,
     CHOICES,
     CONFIGS_DIR,
-    PIPELINE_SCHEDULES,
+    DATASET_TYPES,
     Config,
     ConfigError,
     derived_fields,

@@ -1,16 +1,25 @@
-"""The trainer's configuration: one frozen, typed `Config`, loaded and validated once.
+"""The trainer's configuration: one frozen, typed `Config`, its keys' constraints, and loading.
 
-`load_config(argv)` reads `argv[0]` (a YAML file, usually `configs/base.yml`), merges the preset
-`configs/models/<model_name>.yml`, then the `key=value` overrides in `argv[1:]` (the command line
-wins over the preset, the preset over the base file). Values are parsed as YAML scalars and checked
-against the field's type. Unknown keys, wrong types and impossible combinations raise `ConfigError`
-with one line saying what is wrong and how to fix it; `train.py` turns that into exit code 2.
+`load_config(argv)` merges layers of values, lowest first, each a `{key: (value, where)}` dict:
+  1. `argv[0]`, a YAML file (usually `configs/base.yml`), over the file its `base_config:` names
+     (a path relative to itself);
+  2. the preset `configs/models/<model_name>.yml`;
+  3. with `load_parameters_path=`, the model keys saved with that checkpoint
+     (`checkpoint_keys.py`), so a converted checkpoint alone describes its model;
+  4. the `key=value` tokens of `argv[1:]` (a key given twice with different values is refused).
+Values are parsed as YAML scalars and checked against the field's type, then against the
+constraints declared next to each field below (`key(ge=1)`, `key(choices=...)`), then against the
+rules between keys (`rules.py`), which also compute the derived fields. Any failure is a
+`ConfigError` with one line saying what is wrong and how to fix it (exit code 2 in `train.py`).
 
-Derived values (global batch, microbatch size, pipeline stage layout, ...) are computed here once,
-so the rest of the trainer reads them and never re-derives them. The config is read-only afterwards.
+A config is changed only through `config.replace(**keys)`: the same checks and derivation run on
+the keys as given (never on derived values), so every `Config` is valid and derived once.
 
-A YAML file other than base.yml may start with `base_config: base.yml` (a path relative to itself)
-to inherit every key it does not set.
+Loading starts nothing (no JAX backend, no `jax.distributed`). A -1 ici axis and the processes of
+a multi-process launch (`num_processes=-1`, or `hardware=gpu_multiprocess` without
+`coordinator_address`) stay pending (`devices_pending`; the fields derived from them are 0) until
+`resolve_devices` is given the processes and the device count, which
+`MaxText.cluster.devices.start` finds.
 """
 
 from __future__ import annotations
@@ -18,52 +27,43 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import math
 import os
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
 
-from MaxText.config.checks import (  # noqa: F401  (ATTENTION_KERNELS: re-exported)
-    ATTENTION_KERNELS,
-    validate_attention_and_profiler,
-    validate_data,
-)
-from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, apply_maxtext_values
-from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, resolve_parallelism
-from MaxText.config.pipeline import REMAT_POLICIES, derive_pipeline, stage_layer_counts  # noqa: F401
-from MaxText.config.unsupported_keys import UNSUPPORTED, UNSUPPORTED_DECODER_BLOCKS
+from jaxpp_integration.schedules import SCHEDULE_NAMES
+from MaxText.config.checkpoint_keys import checkpoint_values
+from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, NO_EFFECT, VALUE_ALIASES
+from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, fill_axes
+from MaxText.config.pipeline import REMAT_POLICIES, stage_layer_counts  # noqa: F401
+from MaxText.config.rules import axes_pending, derive, processes_pending
+from MaxText.config.unsupported_keys import UNSUPPORTED, UNSUPPORTED_VALUES
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
 # Alias -> canonical key. The alias is not stored; it only sets the canonical key.
-ALIASES = {"pipeline_parallelism": "ici_pipeline_parallelism"}
+ALIASES = {"pipeline_parallelism": "ici_pipeline_parallelism", **MAXTEXT_ALIASES}
 
-# ---- MaxText compatibility (names MaxText users type; MaxText/config/maxtext_compat.py)
-ALIASES.update(MAXTEXT_ALIASES)
-MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Config.mesh_<axis>
-# Keys the trainer may resolve itself by planning (MaxText/planning/auto.py) when set to "auto".
-AUTO_KEYS = ("num_pipeline_microbatches",)
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "pipeline_schedule": (*PIPELINE_SCHEDULES, "auto"),
-    "gradient_reduction": ("step", "microbatch"),
-    "decoder_block": ("llama", "gpt"),
-    "hardware": ("auto", "cpu", "gpu", "gpu_multiprocess"),
-    "opt_type": ("adamw", "adam", "sgd", "adafactor"),
-    "mu_dtype": ("", "float32", "bfloat16"),
-    "dtype": ("float32", "bfloat16", "float16"),
-    "weight_dtype": ("float32", "bfloat16", "float16"),
-    "remat_policy": (*REMAT_POLICIES, "auto"),
-    "dataset_type": ("text", "synthetic", "tfds", "grain"),
-    "decode_sampling_strategy": ("greedy", "weighted", "topk"),
-}
+ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
+DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _derived(default: Any = None) -> Any:
+def key(*, choices=None, ge=None, gt=None, le=None, lt=None, minus_one="", auto=False) -> Any:
+    """A configurable key (its default lives in configs/base.yml) and its constraints: one of
+    `choices`, or a number within the bounds; `minus_one`: -1 is also allowed and means this;
+    `auto`: the text "auto" is also allowed (decided later by the planner)."""
+    c = dict(choices=choices, ge=ge, gt=gt, le=le, lt=lt, minus_one=minus_one, auto=auto)
+    return dataclasses.field(metadata=c)
+
+
+def derived(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={"derived": True})
 
 
@@ -72,136 +72,188 @@ class Config:
     """Every key of configs/base.yml (see the comments there), then values derived at load."""
 
     # run identity and outputs
-    run_name: str
-    base_output_directory: str
-    model_name: str
+    run_name: str = key()
+    base_output_directory: str = key()
+    model_name: str = key()
     # parallelism
-    ici_data_parallelism: int
-    ici_fsdp_parallelism: int
-    ici_tensor_parallelism: int
-    ici_pipeline_parallelism: int
-    pipeline_schedule: str
-    num_pipeline_microbatches: int
-    num_pipeline_repeats: int
-    pipeline_stage_layers: str
-    pipeline_stage_remat: str
+    ici_data_parallelism: int = key(ge=1, minus_one="'the rest'")
+    ici_fsdp_parallelism: int = key(ge=1, minus_one="'the rest'")
+    ici_tensor_parallelism: int = key(ge=1, minus_one="'the rest'")
+    ici_pipeline_parallelism: int = key(ge=1, minus_one="'the rest'")
+    pipeline_schedule: str = key(choices=(*SCHEDULE_NAMES, "auto"))
+    num_pipeline_microbatches: int = key(ge=1, minus_one="automatic", auto=True)
+    num_pipeline_repeats: int = key(ge=1, minus_one="derived")
+    pipeline_stage_layers: str = key()
+    pipeline_stage_remat: str = key()
     # pipeline communication
-    gradient_reduction: str
-    pipeline_hang_timeout_s: float
-    pipeline_fsdp_ag_once: bool
+    gradient_reduction: str = key(choices=("auto", "step", "microbatch"))
+    pipeline_hang_timeout_s: float = key(ge=0)
+    pipeline_fsdp_ag_once: bool = key()
     # multi-host
-    coordinator_address: str
-    num_processes: int
-    process_id: int
+    coordinator_address: str = key()
+    num_processes: int = key(ge=1, minus_one="the launcher's (srun, mpirun)")
+    process_id: int = key(ge=0)
     # batch and sequence
-    per_device_batch_size: float
-    global_batch_size: int
-    max_target_length: int
+    per_device_batch_size: float = key(gt=0)
+    global_batch_size: int = key(ge=0)
+    max_target_length: int = key(ge=1)
     # model
-    decoder_block: str
-    num_decoder_layers: int
-    emb_dim: int
-    num_query_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    vocab_size: int
-    logits_via_embedding: bool
-    normalization_layer_epsilon: float
-    rope_max_timescale: float
-    dtype: str
-    weight_dtype: str
-    remat_policy: str
-    scan_layers: bool
+    decoder_block: str = key(choices=("llama", "gpt"))
+    num_decoder_layers: int = key(ge=1)
+    emb_dim: int = key(ge=1)
+    num_query_heads: int = key(ge=1)
+    num_kv_heads: int = key(ge=1)
+    head_dim: int = key(ge=0)
+    mlp_dim: int = key(ge=1)
+    vocab_size: int = key(ge=1)
+    logits_via_embedding: bool = key()
+    normalization_layer_epsilon: float = key()
+    rope_max_timescale: float = key(gt=1)
+    rope_type: str = key(choices=("default", "llama3.1"))
+    rope_scaling_factor: float = key(ge=1)
+    rope_low_freq_factor: float = key(gt=0)
+    rope_high_freq_factor: float = key(gt=0)
+    rope_original_max_position_embeddings: int = key(ge=1)
+    dtype: str = key(choices=DTYPES)
+    weight_dtype: str = key(choices=DTYPES)
+    remat_policy: str = key(choices=(*REMAT_POLICIES, "auto"))
+    scan_layers: bool = key()
     # optimizer
-    learning_rate: float
-    warmup_steps_fraction: float
-    learning_rate_final_fraction: float
-    learning_rate_schedule_steps: int
-    adam_b1: float
-    adam_b2: float
-    adam_eps: float
-    adam_weight_decay: float
-    gradient_clipping_threshold: float
+    learning_rate: float = key(ge=0)
+    warmup_steps_fraction: float = key(ge=0, le=1)
+    learning_rate_final_fraction: float = key(ge=0, le=1)
+    learning_rate_schedule_steps: int = key(ge=0, minus_one="steps")
+    adam_b1: float = key(ge=0, le=1)
+    adam_b2: float = key(ge=0, le=1)
+    adam_eps: float = key(ge=0)
+    adam_weight_decay: float = key(ge=0)
+    gradient_clipping_threshold: float = key(ge=0)
     # loop, evaluation, logging
-    steps: int
-    seed: int
-    log_period: int
-    eval_interval: int
-    eval_steps: int
-    enable_tensorboard: bool
-    enable_progress_bar: bool
-    peak_tflops_per_device: float
+    steps: int = key(ge=0)
+    seed: int = key()
+    log_period: int = key(ge=1)
+    eval_interval: int = key()
+    eval_steps: int = key()
+    enable_tensorboard: bool = key()
+    enable_progress_bar: bool = key()
+    peak_tflops_per_device: float = key()
     # checkpoints
-    enable_checkpointing: bool
-    checkpoint_period: int
-    async_checkpointing: bool
-    max_num_checkpoints_to_keep: int
-    load_parameters_path: str
-    # ---- data (MaxText names; validated by `checks.validate_data`)
-    dataset_type: str
-    dataset_path: str
-    dataset_name: str
-    train_split: str
-    eval_split: str
-    tokenizer_path: str
-    tokenizer_type: str
-    eval_split_fraction: float
-    data_shuffle_seed: int
-    packing: bool
-    grain_train_files: str
-    grain_eval_files: str
-    grain_worker_count: int
+    enable_checkpointing: bool = key()
+    checkpoint_period: int = key(ge=1)
+    async_checkpointing: bool = key()
+    max_num_checkpoints_to_keep: int = key(ge=1)
+    load_parameters_path: str = key()
+    # ---- data (MaxText names; rules between them in rules.py)
+    dataset_type: str = key(choices=DATASET_TYPES)
+    dataset_path: str = key()
+    dataset_name: str = key()
+    train_split: str = key()
+    eval_split: str = key()
+    tokenizer_path: str = key()
+    tokenizer_type: str = key(choices=("sentencepiece", "huggingface"))
+    add_bos: bool = key()
+    add_eos: bool = key()
+    eval_split_fraction: float = key(ge=0, lt=1)
+    data_shuffle_seed: int = key()
+    packing: bool = key()
+    grain_train_files: str = key()
+    grain_eval_files: str = key()
+    grain_worker_count: int = key(ge=0)
     # ---- end of data
     # generation
-    prompt: str
-    max_prefill_predict_length: int
-    max_predict_length: int
-    decode_sampling_strategy: str
-    decode_sampling_temperature: float
-    decode_sampling_top_k: int
-    # attention kernel and profiler (MaxText's keys; validated in checks.py)
-    attention: str
-    attention_block_size: int
-    profiler: str
-    profiler_steps: int
-    skip_first_n_steps_for_profiler: int
+    prompt: str = key()
+    max_prefill_predict_length: int = key()
+    max_predict_length: int = key()
+    decode_sampling_strategy: str = key(choices=("greedy", "weighted", "topk"))
+    decode_sampling_temperature: float = key()
+    decode_sampling_top_k: int = key(ge=1)
+    # Hugging Face checkpoints
+    hf_model_path: str = key()
+    hf_output_path: str = key()
+    hf_output_dtype: str = key(choices=("", "bfloat16", "float32", "float16"))
+    hf_max_shard_mb: float = key(gt=0)
+    # attention kernel and profiler (MaxText's keys)
+    attention: str = key(choices=ATTENTION_KERNELS)
+    attention_block_size: int = key(ge=1)
+    profiler: str = key(choices=("", "xplane"))
+    profiler_steps: int = key(ge=1)
+    skip_first_n_steps_for_profiler: int = key(ge=0)
     # MaxText compatibility keys (see configs/base.yml, "MaxText keys")
-    global_parameter_scale: int
-    override_model_config: bool
-    hardware: str
-    dcn_data_parallelism: int
-    dcn_fsdp_parallelism: int
-    dcn_tensor_parallelism: int
-    dcn_pipeline_parallelism: int
-    num_layers_per_pipeline_stage: int
-    init_weights_seed: int
-    opt_type: str
-    mu_dtype: str
-    gradient_accumulation_steps: int
-    metrics_file: str
-    jax_cache_dir: str
+    global_parameter_scale: int = key(ge=1)
+    hardware: str = key(choices=("auto", "cpu", "gpu", "gpu_multiprocess"))
+    allow_cpu_fallback: bool = key()  # train on CPU although nvidia-smi lists GPUs (gpu_host.py)
+    dcn_data_parallelism: int = key(ge=1, minus_one="'the rest'")
+    dcn_fsdp_parallelism: int = key(ge=1, minus_one="'the rest'")
+    dcn_tensor_parallelism: int = key(ge=1, minus_one="'the rest'")
+    dcn_pipeline_parallelism: int = key(ge=1, minus_one="'the rest'")
+    num_layers_per_pipeline_stage: int = key(ge=0)
+    init_weights_seed: int = key(ge=0, minus_one="seed")
+    opt_type: str = key(choices=("adamw", "adam", "sgd", "adafactor"))
+    mu_dtype: str = key(choices=("", "float32", "bfloat16"))
+    gradient_accumulation_steps: int = key(ge=1)
+    metrics_file: str = key()
+    jax_cache_dir: str = key()
 
-    # ---- derived at load (not keys; never set them in YAML or on the command line)
-    num_devices: int = _derived(1)  # data x fsdp x tensor x pipeline (ici x dcn)
-    data_parallel_devices: int = _derived(1)  # data x fsdp: devices the batch is split over
-    mesh_data: int = _derived(1)  # mesh axis sizes: ici_<axis>_parallelism x dcn_<axis>_...
-    mesh_fsdp: int = _derived(1)
-    mesh_tensor: int = _derived(1)
-    mesh_pipeline: int = _derived(1)  # pipeline groups
-    num_stages: int = _derived(1)  # pipeline stages = pipeline groups x repeats
-    stage_layers: tuple[int, ...] = _derived(())  # decoder layers in each stage
-    microbatch_size: int = _derived(1)  # global_batch_size / num_pipeline_microbatches
+    # ---- derived at load (not keys; never set them in YAML or on the command line). The device
+    # counts and the pipeline layout stay 0 / () while `devices_pending`.
+    num_devices: int = derived(0)  # data x fsdp x tensor x pipeline (ici x dcn)
+    data_parallel_devices: int = derived(0)  # data x fsdp: devices the batch is split over
+    mesh_data: int = derived(0)  # mesh axis sizes: ici_<axis>_parallelism x dcn_<axis>_...
+    mesh_fsdp: int = derived(0)
+    mesh_tensor: int = derived(0)
+    mesh_pipeline: int = derived(0)  # pipeline groups
+    num_stages: int = derived(0)  # pipeline stages = pipeline groups x repeats
+    stage_layers: tuple[int, ...] = derived(())  # decoder layers in each stage
+    microbatch_size: int = derived(0)  # global_batch_size / num_pipeline_microbatches
     # "auto" keys, resolved by the trainer through the planner (MaxText/planning/auto.py); until
     # then the config holds the defaults they replace (1f1b; 2 x stages microbatches)
-    schedule_auto: bool = _derived(False)
-    microbatches_auto: bool = _derived(False)
-    remat_auto: bool = _derived(False)  # remat_policy=auto ("full" until resolved)
-    stage_remat: tuple[str, ...] = _derived(())  # remat policy of each stage
-    output_dir: str = _derived("")  # base_output_directory/run_name
-    config_path: str = _derived("")  # the YAML file argv[0]
+    schedule_auto: bool = derived(False)
+    microbatches_auto: bool = derived(False)
+    remat_auto: bool = derived(False)  # remat_policy=auto ("full" until resolved)
+    stage_remat: tuple[str, ...] = derived(())  # remat policy of each stage
+    output_dir: str = derived("")  # base_output_directory/run_name
+    config_path: str = derived("")  # the YAML file argv[0]
+    # the keys as given (typed, before derivation): what `replace` changes and derives again
+    given: Mapping[str, Any] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False, metadata={"derived": True}
+    )
+
+    # ---- changing a config
+    def replace(self, **keys: Any) -> Config:
+        """This config with `keys` (names and values as on the command line) changed, checked
+        and derived again like a loaded one."""
+        given = dict(self.given)
+        for name, value in keys.items():
+            name = _canonical(name, "Config.replace")
+            given[name] = _coerce(name, value, "Config.replace")
+        return _build(given, self.config_path)
+
+    def resolve_devices(self, device_count: int | None = None, **processes: Any) -> Config:
+        """The config with its pending device keys decided: `processes` (coordinator_address,
+        num_processes, process_id: what the launcher says) first, then a -1 ici axis from the
+        `device_count` JAX sees (all processes). Unchanged when nothing is pending."""
+        config = self.replace(**processes) if processes else self
+        assert not config.processes_pending, "resolve_devices needs the launcher's processes"
+        if config.axes_pending:
+            assert device_count is not None, "a -1 ici axis needs the device count"
+            dcn = math.prod(getattr(config, k) for k in DCN_KEYS)
+            values = {k: getattr(config, k) for k in PARALLELISM_KEYS}
+            config = config.replace(**fill_axes(values, device_count // dcn, "devices"))
+        return config
 
     # ---- conveniences (pure functions of the fields)
+    @property
+    def processes_pending(self) -> bool:
+        return processes_pending(vars(self))  # see rules.py
+
+    @property
+    def axes_pending(self) -> bool:
+        return axes_pending(vars(self))
+
+    @property
+    def devices_pending(self) -> bool:
+        return self.processes_pending or self.axes_pending
+
     @property
     def is_pipelined(self) -> bool:
         return self.mesh_pipeline > 1
@@ -235,8 +287,8 @@ class Config:
         return os.path.join(self.output_dir, "checkpoints")
 
     def device_args(self) -> dict[str, Any]:
-        """Plain keyword values for `MaxText.cluster.devices.setup` (which does not import the
-        config)."""
+        """Plain keyword values for `MaxText.cluster.devices.setup`."""
+        assert not self.devices_pending, "resolve the devices first (devices.start)"
         parallelism = " ".join(
             f"{name}={getattr(self, name)}"
             for name in (*PARALLELISM_KEYS, *DCN_KEYS)
@@ -254,90 +306,111 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Keys and derived values as plain JSON-friendly Python values."""
-        out = dataclasses.asdict(self)
-        out["stage_layers"] = list(self.stage_layers)
-        out["stage_remat"] = list(self.stage_remat)
-        return out
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["given"]
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+KEYS = {f.name: f for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
+DERIVED = tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
+TYPES: dict[str, type] = typing.get_type_hints(Config)
+CHOICES = {name: f.metadata["choices"] for name, f in KEYS.items() if f.metadata["choices"]}
 
 
 def key_fields() -> dict[str, dataclasses.Field]:
     """The configurable keys (every field that is not derived), by name."""
-    return {f.name: f for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
+    return dict(KEYS)
 
 
 def derived_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
+    return DERIVED
 
 
-# ------------------------------------------------------------------------------------ parsing
+# ------------------------------------------------------------------------- one key at a time
+
+_KIND = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def _describe(kind: type) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[kind]
-
-
-def _coerce(key: str, value: Any, kind: type, source: str) -> Any:
-    """Checks `value` (already YAML-parsed, or the raw text for str fields) against `kind`."""
-    bad = ConfigError(f"{key}={value!r} ({source}): expected {_describe(kind)}")
-    if kind is str:
-        if value is None:
-            return ""
-        if isinstance(value, bool | int | float | str):
-            return str(value)
-        raise bad
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """`value` (YAML-parsed, or the raw text for str fields) as the field's type."""
+    kind = TYPES[name]
+    if KEYS[name].metadata["auto"] and value == "auto":
         return value
-    if kind is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    raise AssertionError(f"unsupported field type {kind} for {key}")
+    if kind is str and (value is None or isinstance(value, bool | int | float | str)):
+        return "" if value is None else str(value)
+    if kind is float and isinstance(value, int | float | str) and not isinstance(value, bool):
+        try:  # PyYAML reads "1e-3" (no dot) as a string
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{name}={value} ({source}): must be a finite number")
+            return number
+    if kind in (int, bool) and type(value) is kind:  # True is not an integer here
+        return value
+    raise ConfigError(f"{name}={value!r} ({source}): expected {_KIND[kind]}")
 
 
-def _field_type(field: dataclasses.Field) -> type:
-    annotation = field.type
-    if isinstance(annotation, str):
-        annotation = {"int": int, "float": float, "bool": bool, "str": str}[annotation]
-    return annotation
+def _checked(name: str, value: Any, c: Mapping[str, Any]) -> Any:
+    """`value` after MaxText's value aliases, checked against the field's constraints."""
+    value = VALUE_ALIASES.get(name, {}).get(value, value)
+    if value in UNSUPPORTED_VALUES.get(name, {}):
+        raise ConfigError(f"not supported here: {name}={value}: {UNSUPPORTED_VALUES[name][value]}")
+    if (c["auto"] and value == "auto") or (c["minus_one"] and value == -1):
+        return value
+    if c["choices"] is not None and value not in c["choices"]:
+        match = difflib.get_close_matches(str(value), c["choices"], n=1, cutoff=0.6)
+        hint = f"; did you mean '{match[0]}'?" if match else ""
+        shown = " | ".join(x or "''" for x in c["choices"])
+        raise ConfigError(f"{name}={value} is not one of {shown}{hint}")
+    ge, gt, le, lt = c["ge"], c["gt"], c["le"], c["lt"]
+    low = (ge is None or value >= ge) and (gt is None or value > gt)
+    if not (low and (le is None or value <= le) and (lt is None or value < lt)):
+        rule = f">= {ge}" if gt is None else f"> {gt}"
+        if le is not None or lt is not None:
+            rule = f"between {ge} and {le}" if le is not None else f"in [{ge}, {lt})"
+        or_minus_one = f" (or -1 for {c['minus_one']})" if c["minus_one"] else ""
+        raise ConfigError(f"{name}={value}: must be {rule}{or_minus_one}")
+    return value
 
 
-def _suggest(key: str) -> str:
+def _build(given: dict[str, Any], config_path: str) -> Config:
+    """The Config of `given` (every key, typed): each key's constraints, then the rules between
+    keys and the derived values (`rules.derive`)."""
+    values = {name: _checked(name, given[name], f.metadata) for name, f in KEYS.items()}
+    values["config_path"] = config_path
+    derive(values)
+    return Config(**values, given=MappingProxyType(given))
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def _suggest(name: str) -> str:
     """A hint only for a close match (a typo, or the start of a key): a far-off suggestion such
     as `hardware` -> `adam_eps` sends the user the wrong way."""
-    valid = list(key_fields()) + list(ALIASES)
-    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
-    if not match and len(key) >= 4:
-        match = [k for k in valid if k.startswith(key)][:2]
+    valid = list(KEYS) + list(ALIASES)
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.75)
+    if not match and len(name) >= 4:
+        match = [k for k in valid if k.startswith(name)][:2]
         match = match if len(match) == 1 else []
     return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for valid keys"
 
 
-def _canonical(key: str, source: str) -> str:
-    key = ALIASES.get(key, key)
-    if key in derived_fields():
-        raise ConfigError(f"'{key}' ({source}) is derived from other keys and cannot be set")
-    if key not in key_fields():
-        if key in UNSUPPORTED:
-            raise ConfigError(f"not supported here: {key} ({source}): {UNSUPPORTED[key]}")
-        raise ConfigError(f"unknown config key '{key}' ({source}){_suggest(key)}")
-    return key
+def _canonical(name: str, source: str) -> str:
+    name = ALIASES.get(name, name)
+    if name in DERIVED:
+        raise ConfigError(f"'{name}' ({source}) is derived from other keys and cannot be set")
+    if name not in KEYS:
+        if name in UNSUPPORTED:
+            raise ConfigError(f"not supported here: {name} ({source}): {UNSUPPORTED[name]}")
+        raise ConfigError(f"unknown config key '{name}' ({source}){_suggest(name)}")
+    return name
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, tuple[Any, str]]:
-    """Returns {key: (value, source)} from a YAML file, following `base_config:` first."""
+    """{key: (value, source)} from a YAML file, over the file its `base_config:` names."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     if path in seen:
@@ -345,19 +418,18 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, tuple[Any, 
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {where} is not valid YAML: {what}") from None
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config file {path} must be a mapping of key: value")
     values: dict[str, tuple[Any, str]] = {}
-    base = raw.get("base_config")
-    if base:
-        values.update(_read_yaml((path.parent / str(base)).resolve(), (*seen, path)))
-    for key, value in raw.items():
-        if key == "base_config":
-            continue
-        canonical = _canonical(str(key), str(path))
-        values[canonical] = (value, str(path))
+    if raw.get("base_config"):
+        values.update(_read_yaml((path.parent / str(raw["base_config"])).resolve(), (*seen, path)))
+    for name, value in raw.items():
+        if name != "base_config" and name not in NO_EFFECT:
+            values[_canonical(str(name), str(path))] = (value, str(path))
     return values
 
 
@@ -367,23 +439,23 @@ def _parse_overrides(tokens: Sequence[str]) -> dict[str, tuple[Any, str]]:
     for token in tokens:
         if "=" not in token:
             raise ConfigError(f"expected key=value on the command line, got '{token}'")
-        spelled, text = token.split("=", 1)
-        key = _canonical(spelled.strip(), "command line")
-        kind = _field_type(key_fields()[key])
-        if kind is str:
-            value: Any = text  # keep the text as typed: "ROMEO:" is not a YAML mapping here
-        else:
+        spelled, text = (part.strip() for part in token.split("=", 1))
+        if spelled in NO_EFFECT:
+            continue
+        name = _canonical(spelled, "command line")
+        value: Any = text  # str keys keep the text as typed: "ROMEO:" is not a YAML mapping
+        if TYPES[name] is not str:
             try:
-                value = yaml.safe_load(text) if text.strip() else None
+                value = yaml.safe_load(text) if text else None
             except yaml.YAMLError:
-                value = text
-        if key in spellings and spellings[key] != spelled.strip() and values[key][0] != value:
-            raise ConfigError(
-                f"{spellings[key]} and {spelled.strip()} are the same key and disagree "
-                f"({values[key][0]} vs {value}); set one of them"
-            )
-        spellings[key] = spelled.strip()
-        values[key] = (value, "command line")  # repeated key: the last one wins
+                pass
+        if name in values and values[name][0] != value:
+            what = f"{spelled} is given twice and disagrees"
+            if spellings[name] != spelled:
+                what = f"{spellings[name]} and {spelled} are the same key and disagree"
+            raise ConfigError(f"{what} ({values[name][0]} vs {value}); set it once")
+        spellings[name] = spelled
+        values[name] = (value, "command line")
     return values
 
 
@@ -398,168 +470,40 @@ def _find_preset(name: str, config_path: Path) -> Path:
     raise ConfigError(f"model_name={name}: no configs/models/{name}.yml; {hint}")
 
 
-# --------------------------------------------------------------------------------- derivation
-
-
-def _validate_and_derive(values: dict[str, Any], config_path: Path) -> dict[str, Any]:
-    v = values
-    apply_maxtext_values(v)
-    if v["decoder_block"] in UNSUPPORTED_DECODER_BLOCKS:
-        block = v["decoder_block"]
-        raise ConfigError(
-            f"not supported here: decoder_block={block}: {UNSUPPORTED_DECODER_BLOCKS[block]}"
-        )
-    for key, choices in CHOICES.items():
-        if v[key] not in choices:
-            match = difflib.get_close_matches(str(v[key]), choices, n=1, cutoff=0.75)
-            hint = f"did you mean '{match[0]}'? " if match else ""
-            raise ConfigError(f"{key}={v[key]} is not one of {' | '.join(choices)}; {hint}".strip())
-
-    positive = (
-        "max_target_length",
-        "num_decoder_layers",
-        "emb_dim",
-        "num_query_heads",
-        "num_kv_heads",
-        "mlp_dim",
-        "vocab_size",
-        "log_period",
-        "num_processes",
-        "max_num_checkpoints_to_keep",
-        "checkpoint_period",
-        "gradient_accumulation_steps",
-    )
-    for key in positive:
-        if v[key] < 1:
-            raise ConfigError(f"{key}={v[key]}: must be >= 1")
-    for key in ("steps", "global_batch_size", "head_dim", "process_id"):
-        if v[key] < 0:
-            raise ConfigError(f"{key}={v[key]}: must be >= 0")
-    nonneg = ("learning_rate", "gradient_clipping_threshold", "adam_eps", "adam_weight_decay")
-    for key in (*nonneg, "pipeline_hang_timeout_s"):
-        if v[key] < 0:
-            raise ConfigError(f"{key}={v[key]}: must be >= 0")
-    for key in ("warmup_steps_fraction", "learning_rate_final_fraction", "adam_b1", "adam_b2"):
-        if not 0.0 <= v[key] <= 1.0:
-            raise ConfigError(f"{key}={v[key]}: must be between 0 and 1")
-    if not 0.0 <= v["eval_split_fraction"] < 1.0:
-        raise ConfigError(f"eval_split_fraction={v['eval_split_fraction']}: must be in [0, 1)")
-    if v["hardware"] == "gpu_multiprocess" and not v["coordinator_address"]:
-        from MaxText.cluster import (
-            devices,  # deferred: initialises jax.distributed and the backends
-        )
-
-        v["num_processes"], v["process_id"] = devices.cluster_process(v["hardware"])
-    elif v["num_processes"] > 1 and not v["coordinator_address"]:
-        raise ConfigError(f"num_processes={v['num_processes']} needs coordinator_address=host:port")
-    if v["process_id"] >= v["num_processes"]:
-        raise ConfigError(
-            f"process_id={v['process_id']} must be < num_processes={v['num_processes']}"
-        )
-    if v["per_device_batch_size"] <= 0:
-        raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: must be > 0")
-    validate_data(v)
-    resolve_parallelism(v, None)
-    for axis in MESH_AXES:
-        v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
-    pp = v["mesh_pipeline"]
-    dp = v["mesh_data"] * v["mesh_fsdp"]
-    tp = v["mesh_tensor"]
-    v["num_devices"] = dp * tp * pp
-    v["data_parallel_devices"] = dp
-    if pp > 1 and any(v[f"dcn_{a}_parallelism"] > 1 for a in ("data", "fsdp", "tensor")):
-        raise ConfigError(
-            "a pipelined run keeps each pipeline group on one process, so dcn_data/fsdp/tensor_"
-            "parallelism must be 1; split the processes with dcn_pipeline_parallelism instead"
-        )
-
-    # model shape
-    if v["head_dim"] == 0:
-        if v["emb_dim"] % v["num_query_heads"]:
-            raise ConfigError(
-                f"head_dim=0 means emb_dim / num_query_heads, but emb_dim={v['emb_dim']} is not "
-                f"divisible by num_query_heads={v['num_query_heads']}; set head_dim explicitly"
-            )
-        v["head_dim"] = v["emb_dim"] // v["num_query_heads"]
-    if v["num_query_heads"] % v["num_kv_heads"]:
-        raise ConfigError(
-            f"num_query_heads={v['num_query_heads']} must be a multiple of "
-            f"num_kv_heads={v['num_kv_heads']} (grouped-query attention)"
-        )
-    for key in ("num_query_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
-        if v[key] % tp:
-            raise ConfigError(
-                f"{key}={v[key]} is not divisible by tensor parallelism {tp}; "
-                f"tensor parallelism splits it across devices"
-            )
-    if v["emb_dim"] % v["mesh_fsdp"]:
-        raise ConfigError(
-            f"emb_dim={v['emb_dim']} is not divisible by fsdp parallelism {v['mesh_fsdp']}; "
-            f"fsdp shards parameters along it"
-        )
-
-    # pipeline: schedule, stages, per-stage layers and remat, microbatches (pipeline.py)
-    derive_pipeline(v, pp, dp)
-
-    # optimizer schedule, generation
-    if v["learning_rate_schedule_steps"] == -1:
-        v["learning_rate_schedule_steps"] = v["steps"]
-    if v["learning_rate_schedule_steps"] < 0:
-        raise ConfigError(
-            f"learning_rate_schedule_steps={v['learning_rate_schedule_steps']}: must be >= 0 "
-            f"(or -1 for steps)"
-        )
-    if v["max_prefill_predict_length"] >= v["max_predict_length"]:
-        raise ConfigError(
-            f"max_prefill_predict_length={v['max_prefill_predict_length']} must be less than "
-            f"max_predict_length={v['max_predict_length']}"
-        )
-
-    # outputs
-    if not v["run_name"]:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        v["run_name"] = f"{v['model_name']}_{stamp}"
-    if "/" in v["run_name"]:
-        raise ConfigError(f"run_name={v['run_name']} must not contain '/'")
-    v["output_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
-    v["metrics_file"] = v["metrics_file"] or os.path.join(v["output_dir"], "metrics.jsonl")
-    v["config_path"] = str(config_path)
-    if v["init_weights_seed"] == -1:
-        v["init_weights_seed"] = v["seed"]
-    v["mu_dtype"] = v["mu_dtype"] or v["weight_dtype"]
-    return v
-
-
 def load_config(argv: Sequence[str]) -> Config:
     """Builds the Config from `argv = [yaml_path, "key=value", ...]` (see the module docstring)."""
     if not argv:
         raise ConfigError("usage: train.py configs/base.yml [key=value ...]")
-    config_path = Path(argv[0])
+    config_path = Path(argv[0]).resolve()
     if config_path.suffix not in (".yml", ".yaml"):
         raise ConfigError(f"the first argument must be a YAML config file, got '{argv[0]}'")
-    values = _read_yaml(config_path.resolve())
-    overrides = _parse_overrides(argv[1:])
-
-    model_name = overrides.get("model_name", values.get("model_name", (None, "")))[0]
-    if model_name not in (None, "", "default"):
-        preset_path = _find_preset(str(model_name), config_path.resolve())
-        preset = _read_yaml(preset_path)
+    layers = [_read_yaml(config_path)]  # 1. the YAML file over its base_config
+    command_line = _parse_overrides(argv[1:])
+    model_name = command_line.get("model_name", layers[0].get("model_name", (None, "")))[0]
+    if model_name not in (None, "", "default"):  # 2. the model preset
+        preset = _read_yaml(_find_preset(str(model_name), config_path))
         preset.pop("model_name", None)
-        values.update(preset)
-    values.update(overrides)
+        layers.append(preset)
+    below = {name: value for layer in layers for name, value in layer.items()}
+    parameters = command_line.get("load_parameters_path", below.get("load_parameters_path"))
+    if parameters and parameters[0]:  # 3. the checkpoint's model keys
+        path = str(parameters[0])
+        if not Path(path).exists():
+            raise ConfigError(f"load_parameters_path={path} does not exist")
+        layers.append({k: (v, f"checkpoint {path}") for k, v in checkpoint_values(path).items()})
+    layers.append(command_line)  # 4. the command line
+    values = {name: value for layer in layers for name, value in layer.items()}
 
-    missing = [k for k in key_fields() if k not in values]
+    missing = [name for name in KEYS if name not in values]
     if missing:
+        base = os.path.relpath(CONFIGS_DIR / "base.yml", config_path.parent)
+        base = str(CONFIGS_DIR / "base.yml") if base.startswith("..") else base
         raise ConfigError(
-            f"{config_path} does not set {', '.join(missing[:5])}"
-            f"{' ...' if len(missing) > 5 else ''}; add `base_config: base.yml` to inherit defaults"
+            f"{argv[0]} does not set {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            f"; add `base_config: {base}` to inherit the defaults"
         )
-    typed = {
-        key: value
-        if key in AUTO_KEYS and value == "auto"
-        else _coerce(key, value, _field_type(key_fields()[key]), source)
-        for key, (value, source) in values.items()
-    }
-    derived = _validate_and_derive(typed, config_path)
-    validate_attention_and_profiler(derived)
-    return Config(**derived)
+    given = {name: _coerce(name, value, source) for name, (value, source) in values.items()}
+    if not given["run_name"]:  # decided once: `replace` keeps it
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        given["run_name"] = f"{given['model_name']}_{stamp}"
+    return _build(given, str(config_path))

@@ -1,17 +1,19 @@
-"""MaxText's key names and values, resolved onto this trainer's keys (used by `config.py`).
+"""MaxText's key names and values, resolved onto this trainer's keys (used by the loader).
 
 MaxText users set the model through `base_*` keys scaled by `global_parameter_scale`, name
 decoder blocks after models (`llama2`, `gpt3`, `mistral`), and derive pipeline repeats from
 `num_layers_per_pipeline_stage`. Here `base_emb_dim` & co. are other names of `emb_dim` & co.
-(`MAXTEXT_ALIASES`), and `apply_maxtext_values` / `pipeline_repeats` rewrite the raw values
-dict before the config validates it. Keys MaxText has and this trainer does not are listed
-with their reason in `unsupported_keys.py`.
+(`MAXTEXT_ALIASES`), MaxText's block names other names of ours (`VALUE_ALIASES`), and
+`apply_parameter_scale` / `pipeline_repeats` rewrite the values before the rules between keys
+run. Keys MaxText has and this trainer does not are listed with their reason in
+`unsupported_keys.py`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from jaxpp_integration.schedules import STAGES_PER_RANK
 from MaxText.errors import ConfigError
 
 MAXTEXT_ALIASES = {
@@ -23,7 +25,12 @@ MAXTEXT_ALIASES = {
 }
 # MaxText decoder_block values that are one of this trainer's blocks (MaxText's mistral block is
 # the llama2 block; sliding-window attention is not part of it).
-DECODER_BLOCK_ALIASES = {"llama2": "llama", "mistral": "llama", "gpt3": "gpt"}
+VALUE_ALIASES = {"decoder_block": {"llama2": "llama", "mistral": "llama", "gpt3": "gpt"}}
+# MaxText keys accepted with no effect here, and why (they are dropped at load).
+NO_EFFECT = {
+    "override_model_config": "a model preset never conflicts with the command line: command-line "
+    "keys always win (MaxText stops when the two disagree unless it is true)",
+}
 
 
 def parameter_scales(scale: int) -> tuple[int, int, int, int]:
@@ -43,44 +50,29 @@ def parameter_scales(scale: int) -> tuple[int, int, int, int]:
     return base + int(rem > 1), heads, heads, base
 
 
-def apply_maxtext_values(v: dict[str, Any]) -> None:
-    """Resolves MaxText's values in place: decoder_block names, global_parameter_scale; checks
-    the compatibility keys' ranges. Runs before any other validation."""
-    v["decoder_block"] = DECODER_BLOCK_ALIASES.get(v["decoder_block"], v["decoder_block"])
-    if v["hardware"] == "tpu":
-        raise ConfigError(
-            "not supported here: hardware=tpu: this trainer is tested on CPU and written for "
-            "GPU; use hardware=auto (the accelerator JAX finds), gpu, gpu_multiprocess or cpu"
-        )
+def apply_parameter_scale(v: dict[str, Any]) -> None:
+    """Scales the model keys in place by `global_parameter_scale`."""
     emb, heads, mlp, layers = parameter_scales(v["global_parameter_scale"])
     v["emb_dim"] <<= emb
     v["num_query_heads"] <<= heads
     v["num_kv_heads"] <<= heads
     v["mlp_dim"] <<= mlp
     v["num_decoder_layers"] <<= layers
-    if v["init_weights_seed"] < -1:
-        raise ConfigError(f"init_weights_seed={v['init_weights_seed']}: must be >= 0 (or -1)")
-    if v["num_layers_per_pipeline_stage"] < 0:
-        raise ConfigError(
-            f"num_layers_per_pipeline_stage={v['num_layers_per_pipeline_stage']}: must be >= 0 "
-            f"(0: from num_pipeline_repeats)"
-        )
 
 
 def pipeline_repeats(v: dict[str, Any], pp: int) -> None:
     """num_pipeline_repeats (virtual stages per group) from MaxText's pipeline keys.
 
     num_layers_per_pipeline_stage=K > 0: repeats = layers / (groups x K), exactly (MaxText).
-    num_pipeline_repeats=-1 without K: one layer per virtual stage for interleaved_1f1b
-    (MaxText's maximally circular default), 2 for dualpipev, else 1.
+    num_pipeline_repeats=-1 without K: as many as the schedule runs per group (dualpipev 2,
+    1F1B & co. 1), and for interleaved_1f1b one layer per virtual stage (MaxText's maximally
+    circular default).
     """
     layers, per_stage, repeats = (
         v["num_decoder_layers"],
         v["num_layers_per_pipeline_stage"],
         v["num_pipeline_repeats"],
     )
-    if repeats == 0 or repeats < -1:
-        raise ConfigError(f"num_pipeline_repeats={repeats}: must be >= 1 (or -1 for derived)")
     if pp == 1:
         v["num_pipeline_repeats"] = 1 if repeats == -1 else repeats
         return
@@ -99,8 +91,4 @@ def pipeline_repeats(v: dict[str, Any], pp: int) -> None:
             )
         v["num_pipeline_repeats"] = derived
     elif repeats == -1:
-        schedule = v["pipeline_schedule"]
-        if schedule == "interleaved_1f1b":
-            v["num_pipeline_repeats"] = max(layers // pp, 1)
-        else:
-            v["num_pipeline_repeats"] = 2 if schedule == "dualpipev" else 1
+        v["num_pipeline_repeats"] = STAGES_PER_RANK[v["pipeline_schedule"]] or max(layers // pp, 1)

@@ -1,30 +1,21 @@
-"""Mesh keys of the config: the ici_* and dcn_* parallelism axes, and MaxText's -1 ("the rest").
+"""Mesh keys of the config: the ici_* and dcn_* parallelism axes and MaxText's -1 ("the rest").
 
-`resolve_parallelism(values, available_devices)` fills the one -1 axis of each kind from the
-devices (ici) or processes (dcn) there are, and checks the products; every error is a
-`ConfigError` naming the keys and the values that would work.
+`derive_mesh(values)` fills a -1 dcn axis from `num_processes`, checks the products and sets the
+mesh sizes; `fill_axes` fills a -1 among some axes from a total, which `Config.resolve_devices`
+uses for the ici axes once the devices are known. Errors are `ConfigError`s naming the keys and
+the values that would work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 from typing import Any
 
 from MaxText.errors import ConfigError
 
-PARALLELISM_KEYS = (
-    "ici_data_parallelism",
-    "ici_fsdp_parallelism",
-    "ici_tensor_parallelism",
-    "ici_pipeline_parallelism",
-)
-
-DCN_KEYS = (
-    "dcn_data_parallelism",
-    "dcn_fsdp_parallelism",
-    "dcn_tensor_parallelism",
-    "dcn_pipeline_parallelism",
-)
+MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Config.mesh_<axis>
+PARALLELISM_KEYS = tuple(f"ici_{axis}_parallelism" for axis in MESH_AXES)
+DCN_KEYS = tuple(f"dcn_{axis}_parallelism" for axis in MESH_AXES)
 
 
 def _divisors(n: int) -> str:
@@ -32,53 +23,60 @@ def _divisors(n: int) -> str:
     return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
 
 
-def _fill_one(values: dict[str, Any], keys: Sequence[str], total: int, what: str) -> None:
-    """Sets the one -1 among `keys` so that their product is `total` (MaxText's convention)."""
-    for key in keys:
-        if values[key] == 0 or values[key] < -1:
-            raise ConfigError(f"{key}={values[key]}: must be >= 1 (or -1 for 'the rest')")
-    fill = [k for k in keys if values[k] == -1]
+def filled_axis(values: dict[str, int]) -> list[str]:
+    """The key among `values` that is -1 (at most one may be)."""
+    fill = [k for k, v in values.items() if v == -1]
     if len(fill) > 1:
         raise ConfigError(f"only one parallelism axis may be -1, got {', '.join(fill)}")
+    return fill
+
+
+def fill_axes(values: dict[str, int], total: int, what: str) -> dict[str, int]:
+    """{the -1 key: the value that makes the product of `values` equal `total`} ({} if none)."""
+    fill = filled_axis(values)
     if not fill:
-        return
-    others = [k for k in keys if k != fill[0]]
-    product = 1
-    for k in others:
-        product *= values[k]
+        return {}
+    others = {k: v for k, v in values.items() if k != fill[0]}
+    product = math.prod(others.values())
     if total % product:
-        named = " x ".join(f"{k}={values[k]}" for k in others if values[k] > 1) or "1"
+        named = " x ".join(f"{k}={v}" for k, v in others.items() if v > 1) or "1"
         raise ConfigError(
             f"{named} needs a multiple of {product} {what} but {total} {what} are "
             f"available; use a product that divides {total} ({_divisors(total)})"
         )
-    values[fill[0]] = total // product
+    return {fill[0]: total // product}
 
 
-def resolve_parallelism(values: dict[str, Any], available_devices: int | None) -> None:
-    """Fills a -1 parallelism axis with the remaining devices (MaxText's convention).
-
-    Without dcn axes the ici axes span every device of every process. With a dcn_*_parallelism
-    > 1 the dcn axes span the processes (their product is num_processes) and the ici axes the
-    devices of one process, as MaxText's hybrid mesh does across slices.
-    """
-    _fill_one(values, DCN_KEYS, values["num_processes"], "processes")
-    dcn = 1
-    for key in DCN_KEYS:
-        dcn *= values[key]
-    if dcn > 1 and dcn != values["num_processes"]:
-        product = " x ".join(f"{k}={values[k]}" for k in DCN_KEYS if values[k] > 1)
+def derive_mesh(v: dict[str, Any]) -> None:
+    """The dcn axes span the processes (their product is num_processes, one may be -1), the ici
+    axes the devices of one process, as MaxText's hybrid mesh does across slices. Sets
+    `mesh_<axis>`, `num_devices` and `data_parallel_devices`."""
+    v.update(fill_axes({k: v[k] for k in DCN_KEYS}, v["num_processes"], "processes"))
+    dcn = math.prod(v[k] for k in DCN_KEYS)
+    if dcn > 1 and dcn != v["num_processes"]:
+        product = " x ".join(f"{k}={v[k]}" for k in DCN_KEYS if v[k] > 1)
         raise ConfigError(
-            f"{product} spans {dcn} processes but num_processes={values['num_processes']}; "
+            f"{product} spans {dcn} processes but num_processes={v['num_processes']}; "
             f"the dcn axes split the processes, so their product must be num_processes"
         )
-    if all(values[k] != -1 for k in PARALLELISM_KEYS):
-        _fill_one(values, PARALLELISM_KEYS, 1, "devices")  # checks the values only
-        return
-    if available_devices is None:
-        from MaxText.cluster import devices  # deferred: probing devices initialises JAX's backends
-
-        available_devices = devices.available_device_count(
-            values["coordinator_address"], values["num_processes"], values["process_id"]
+    for axis in MESH_AXES:
+        v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
+    v["data_parallel_devices"] = v["mesh_data"] * v["mesh_fsdp"]
+    v["num_devices"] = v["data_parallel_devices"] * v["mesh_tensor"] * v["mesh_pipeline"]
+    if v["mesh_pipeline"] > 1 and dcn > v["dcn_pipeline_parallelism"]:
+        raise ConfigError(
+            "a pipelined run keeps each pipeline group on one process, so dcn_data/fsdp/tensor_"
+            "parallelism must be 1; split the processes with dcn_pipeline_parallelism instead"
         )
-    _fill_one(values, PARALLELISM_KEYS, available_devices // dcn, "devices")
+    tp = v["mesh_tensor"]
+    for key in ("num_query_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+        if v[key] % tp:
+            raise ConfigError(
+                f"{key}={v[key]} is not divisible by tensor parallelism {tp}; "
+                f"tensor parallelism splits it across devices"
+            )
+    if v["emb_dim"] % v["mesh_fsdp"]:
+        raise ConfigError(
+            f"emb_dim={v['emb_dim']} is not divisible by fsdp parallelism {v['mesh_fsdp']}; "
+            f"fsdp shards parameters along it"
+        )

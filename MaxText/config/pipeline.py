@@ -1,63 +1,68 @@
 """Pipeline keys of the config: schedule, stages, layers and remat per stage, microbatches.
 
-`derive_pipeline(values, pp, dp)` validates them and fills the derived fields (`num_stages`,
-`stage_layers`, `stage_remat`, `microbatch_size`, the `*_auto` flags) in the raw values dict that
-`MaxText.config` builds; every error is a `ConfigError` naming the key and the fix. "auto" values
-(`pipeline_schedule`, `num_pipeline_microbatches`, `pipeline_stage_layers`, `remat_policy`) keep a
-safe default here and are decided later by the planner (`MaxText.planning.auto.resolve_auto`).
+`auto_defaults(values)` records which keys are "auto" (`pipeline_schedule`,
+`num_pipeline_microbatches`, `remat_policy`; `pipeline_stage_layers` stays "auto") and puts safe
+defaults in their place until the planner decides them (`MaxText.planning.auto.resolve_auto`).
+`derive_pipeline(values)` validates the rest and derives `num_stages`, `stage_layers`,
+`stage_remat` and `microbatch_size`. Which stage and microbatch counts a schedule accepts is the
+engine's rule (`STAGES_PER_RANK`, `Schedule.microbatch_rule`); this module words it in keys.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from jaxpp_integration.schedules import STAGES_PER_RANK, schedule_from_name
 from MaxText.config.maxtext_compat import pipeline_repeats
 from MaxText.errors import ConfigError
 
 REMAT_POLICIES = ("none", "full", "minimal", "save_qkv_proj", "save_dot_except_mlp")
 
 
-def derive_pipeline(v: dict[str, Any], pp: int, dp: int) -> None:
-    """Validates the pipeline and batch keys of `v` (pp pipeline groups, dp data-parallel
-    devices) and derives the stage layout and microbatching from them."""
-    pipeline_repeats(v, pp)
+def auto_defaults(v: dict[str, Any]) -> None:
     v["schedule_auto"] = v["pipeline_schedule"] == "auto"
+    v["microbatches_auto"] = v["num_pipeline_microbatches"] == "auto"
+    v["remat_auto"] = v["remat_policy"] == "auto" and not v["pipeline_stage_remat"]
     if v["schedule_auto"]:
         v["pipeline_schedule"] = "1f1b"
-    v["microbatches_auto"] = v["num_pipeline_microbatches"] == "auto"
     if v["microbatches_auto"]:
         v["num_pipeline_microbatches"] = -1
+    if v["remat_policy"] == "auto":  # the planner picks per stage (planning/remat_choice.py)
+        v["remat_policy"] = "full"
+
+
+def derive_pipeline(v: dict[str, Any]) -> None:
+    """Validates the pipeline and batch keys of `v` (mesh sizes already derived) and derives the
+    stage layout and microbatching from them."""
+    pp, dp, schedule = v["mesh_pipeline"], v["data_parallel_devices"], v["pipeline_schedule"]
+    pipeline_repeats(v, pp)
     repeats = v["num_pipeline_repeats"]
-    schedule = v["pipeline_schedule"]
-    num_stages = pp * repeats
-    v["num_stages"] = num_stages
+    num_stages = v["num_stages"] = pp * repeats
     if v["num_decoder_layers"] < num_stages:
         raise ConfigError(
             f"num_decoder_layers={v['num_decoder_layers']} is less than the {num_stages} pipeline "
             f"stages (ici_pipeline_parallelism={pp} x num_pipeline_repeats={repeats}); "
             f"every stage needs at least one layer"
         )
-    if pp > 1 and repeats > 1 and schedule not in ("interleaved_1f1b", "dualpipev"):
+    per_rank = STAGES_PER_RANK[schedule]
+    if pp > 1 and per_rank == 1 and repeats > 1:
+        several = " or ".join(name for name, n in STAGES_PER_RANK.items() if n != 1)
         raise ConfigError(
-            f"num_pipeline_repeats={repeats} needs pipeline_schedule=interleaved_1f1b or "
-            f"dualpipev; {schedule} runs one stage per pipeline group"
+            f"num_pipeline_repeats={repeats} needs pipeline_schedule={several}; "
+            f"{schedule} runs one stage per pipeline group"
         )
-    if pp > 1 and schedule == "dualpipev" and repeats != 2:
+    if pp > 1 and per_rank not in (None, 1, repeats):
         raise ConfigError(
-            f"pipeline_schedule=dualpipev runs exactly 2 stages per group; "
-            f"set num_pipeline_repeats=2 (got {repeats})"
+            f"pipeline_schedule={schedule} runs exactly {per_rank} stages per group; "
+            f"set num_pipeline_repeats={per_rank} (got {repeats})"
         )
-    v["stage_layers"] = stage_layer_counts(v["num_decoder_layers"], num_stages)
-    split = _stage_split(v["pipeline_stage_layers"], v["num_decoder_layers"], num_stages)
-    if isinstance(split, tuple):
-        v["stage_layers"] = split
+    split = parse_stage_layers(v["pipeline_stage_layers"], v["num_decoder_layers"], num_stages)
+    v["stage_layers"] = (
+        split
+        if isinstance(split, tuple)
+        else stage_layer_counts(v["num_decoder_layers"], num_stages)
+    )
     v["pipeline_stage_layers"] = split if isinstance(split, str) else ",".join(map(str, split))
-
-    # remat per stage: pipeline_stage_remat lists one policy per stage; remat_policy=auto leaves
-    # the choice to the planner (MaxText/planning/remat_choice.py), "full" until it is resolved
-    v["remat_auto"] = v["remat_policy"] == "auto" and not v["pipeline_stage_remat"]
-    if v["remat_policy"] == "auto":
-        v["remat_policy"] = "full"
     v["stage_remat"] = _stage_remat(v["pipeline_stage_remat"], v["remat_policy"], num_stages)
 
     # batch: per_device_batch_size counts every device (pipeline and tensor included) as in
@@ -74,13 +79,7 @@ def derive_pipeline(v: dict[str, Any], pp: int, dp: int) -> None:
         v["global_batch_size"] = int(rows)
     if v["num_pipeline_microbatches"] == -1:
         v["num_pipeline_microbatches"] = 2 * pp if pp > 1 else 1
-    if v["num_pipeline_microbatches"] < 1:
-        raise ConfigError(
-            f"num_pipeline_microbatches={v['num_pipeline_microbatches']}: must be >= 1 "
-            f"(or -1 for automatic)"
-        )
-    v["num_pipeline_microbatches"] *= ga
-    m = v["num_pipeline_microbatches"]
+    m = v["num_pipeline_microbatches"] = v["num_pipeline_microbatches"] * ga
     if v["global_batch_size"] % (m * dp):
         raise ConfigError(
             f"global_batch_size={v['global_batch_size']} is not divisible by "
@@ -88,16 +87,20 @@ def derive_pipeline(v: dict[str, Any], pp: int, dp: int) -> None:
             f"use a global batch that is a multiple of {m * dp}"
         )
     v["microbatch_size"] = v["global_batch_size"] // m
-    if pp > 1 and schedule == "interleaved_1f1b" and m % pp:
-        raise ConfigError(
-            f"pipeline_schedule=interleaved_1f1b needs num_pipeline_microbatches={m} to be a "
-            f"multiple of ici_pipeline_parallelism={pp}"
-        )
-    if pp > 1 and schedule == "dualpipev" and m < num_stages:
-        raise ConfigError(
-            f"pipeline_schedule=dualpipev needs num_pipeline_microbatches >= {num_stages} "
-            f"stages, got {m}"
-        )
+    if pp > 1:
+        multiple, minimum = schedule_from_name(schedule, num_stages, pp).microbatch_rule()
+        groups = "ici_pipeline_parallelism" if v["dcn_pipeline_parallelism"] == 1 else "groups"
+        if m % multiple:
+            of = f"{groups}={pp}" if multiple == pp else str(multiple)
+            raise ConfigError(
+                f"pipeline_schedule={schedule} needs num_pipeline_microbatches={m} to be a "
+                f"multiple of {of}"
+            )
+        if m < minimum:
+            raise ConfigError(
+                f"pipeline_schedule={schedule} needs num_pipeline_microbatches >= {minimum} "
+                f"({num_stages} stages on {groups}={pp}), got {m}"
+            )
 
 
 def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -113,15 +116,6 @@ def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     for stage in order[:extra]:
         counts[stage] += 1
     return tuple(counts)
-
-
-def _stage_split(value: Any, num_layers: int, num_stages: int) -> tuple[int, ...] | str:
-    """`pipeline_stage_layers`: 'even', 'auto' (resolved by the trainer through the planner,
-    MaxText/planning/stage_balance.py) or explicit counts per stage."""
-    try:
-        return parse_stage_layers(value, num_layers, num_stages)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _stage_remat(value: str, default: str, num_stages: int) -> tuple[str, ...]:
@@ -145,26 +139,23 @@ def _stage_remat(value: str, default: str, num_stages: int) -> tuple[str, ...]:
 
 
 def parse_stage_layers(value: str, num_layers: int, num_stages: int) -> tuple[int, ...] | str:
-    """'even' | 'auto' | '6,9,9,8' -> 'even', 'auto' or the counts; ValueError names the fix."""
+    """`pipeline_stage_layers`: 'even' | 'auto' (balanced by the planner,
+    MaxText/planning/stage_balance.py) | '6,9,9,8' -> 'even', 'auto' or the counts. A
+    ConfigError (a ValueError) names the fix."""
     text = str(value).strip().lower()
     if text in ("even", "auto"):
         return text
+    example = ",".join(map(str, stage_layer_counts(num_layers, num_stages)))
     try:
         counts = tuple(int(x) for x in text.replace(" ", "").split(","))
     except ValueError:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline_stage_layers={value!r} is not 'even', 'auto' or a comma-separated list of "
-            f"layer counts such as '{_example(num_layers, num_stages)}'"
+            f"layer counts such as '{example}'"
         ) from None
     if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline_stage_layers={value!r} must list {num_stages} stage sizes (each >= 1) "
-            f"summing to num_decoder_layers={num_layers}, e.g. "
-            f"'{_example(num_layers, num_stages)}'"
+            f"summing to num_decoder_layers={num_layers}, e.g. '{example}'"
         )
     return counts
-
-
-def _example(num_layers: int, num_stages: int) -> str:
-    base, extra = divmod(num_layers, num_stages)
-    return ",".join(str(base + (1 if s < extra else 0)) for s in range(num_stages))

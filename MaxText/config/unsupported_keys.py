@@ -1,4 +1,5 @@
-"""MaxText keys this trainer does not implement, each with the reason (data, read by `config.py`).
+"""MaxText keys and values this trainer does not implement, each with the reason (data, read by
+the loader).
 
 A MaxText user's command that sets one of these stops with one line,
 `config error: not supported here: <key> (<where>): <reason>`, instead of a suggestion of some
@@ -79,8 +80,7 @@ UNSUPPORTED: dict[str, str] = {
     "attn_logits_soft_cap": "logit soft-capping is not implemented",
     "final_logits_soft_cap": "logit soft-capping is not implemented",
     "use_qk_norm": "QK-norm is not implemented",
-    "rope_type": "plain RoPE only (rope_max_timescale sets its base)",
-    "rope_min_timescale": "plain RoPE only (rope_max_timescale sets its base)",
+    "rope_min_timescale": "RoPE frequencies start at 1 (rope_max_timescale sets the base)",
     "fused_qkv": "separate q/k/v projections only",
     "fused_mlp": "separate mlp projections only",
     "enable_dropout": "dropout is not implemented (training is deterministic)",
@@ -168,14 +168,36 @@ UNSUPPORTED: dict[str, str] = {
     "(pipelined)",
 }
 
-# decoder_block values MaxText has and this trainer does not, with the reason.
-UNSUPPORTED_DECODER_BLOCKS: dict[str, str] = {
-    **{
-        name: "mixture-of-experts blocks are not implemented"
-        for name in ("mixtral", "deepseek", "llama4", "qwen3_moe", "gpt_oss")
+# Values of our keys that MaxText (or a user) may give and this trainer does not run, with the
+# reason: `config error: not supported here: <key>=<value>: <reason>`.
+UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
+    "decoder_block": {
+        **{
+            name: "mixture-of-experts blocks are not implemented"
+            for name in ("mixtral", "deepseek", "llama4", "qwen3_moe", "gpt_oss")
+        },
+        **{
+            name: "this block (its own norms and attention variants) is not implemented"
+            for name in (
+                "gemma",
+                "gemma2",
+                "gemma3",
+                "qwen2",
+                "qwen3",
+                "olmo3",
+                "simple",
+                "simple_mlp",
+            )
+        },
     },
-    **{
-        name: "this block (its own norms and attention variants) is not implemented"
-        for name in ("gemma", "gemma2", "gemma3", "qwen2", "qwen3", "olmo3", "simple", "simple_mlp")
+    "hardware": {
+        "tpu": "this trainer is tested on CPU and written for GPU; use hardware=auto (the "
+        "accelerator JAX finds), gpu, gpu_multiprocess or cpu",
+    },
+    "profiler": {
+        "nsys": "run train.py under `nsys profile` yourself, or use profiler=xplane",
+    },
+    "tokenizer_type": {
+        "tiktoken": "read Llama 3's tokenizer.json with tokenizer_type=huggingface instead",
     },
 }

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from MaxText.config import DATASET_TYPES
 from MaxText.data import cache as cache_lib
 from MaxText.data import iterator as iterator_lib
 from MaxText.data import text as text_lib
@@ -45,12 +46,13 @@ from MaxText.data.tokenizer import (
     Tokenizer,
     load_or_train_sentencepiece,
     load_sentencepiece,
+    load_tokenizer,
+    with_special_tokens,
 )
 
 __all__ = ["Data", "DataInfo", "Tokenizer", "make_data", "unigram_entropy_nats"]
 
 log = logging.getLogger(__name__)
-DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,9 @@ class _Options:
     train_split: str
     eval_split: str
     tokenizer_path: str
+    tokenizer_type: str
+    add_bos: bool
+    add_eos: bool
     vocab_size: int
     seq_len: int
     global_batch_size: int
@@ -134,6 +139,10 @@ def _read_options(config: Any) -> _Options:
         train_split=str(attr("train_split")),
         eval_split=str(attr("eval_split")),
         tokenizer_path=str(attr("tokenizer_path") or ""),
+        # Optional (defaults: MaxText's): configs made before these keys still work.
+        tokenizer_type=str(getattr(config, "tokenizer_type", "sentencepiece")),
+        add_bos=bool(getattr(config, "add_bos", True)),
+        add_eos=bool(getattr(config, "add_eos", True)),
         vocab_size=int(attr("vocab_size")),
         seq_len=int(attr("max_target_length")),
         global_batch_size=int(attr("global_batch_size")),
@@ -210,11 +219,12 @@ def _document_data(
     eval_key = text_lib.corpus_hash(eval_docs)
     t0 = time.perf_counter()
     if opts.tokenizer_path:
-        tokenizer = load_sentencepiece(opts.tokenizer_path)
+        tokenizer = load_tokenizer(opts.tokenizer_path, opts.tokenizer_type)
     else:
         tokenizer = load_or_train_sentencepiece(
             train_docs, vocab_size=opts.vocab_size, corpus_key=train_key, cache_root=cache_root
         )
+    tokenizer = with_special_tokens(tokenizer, opts.add_bos, opts.add_eos)
     if tokenizer.origin == "trained":
         log.info(
             "data: trained a %d-piece tokenizer in %.1fs -> %s",

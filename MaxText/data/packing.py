@@ -26,9 +26,9 @@ TOKENS_FORMAT_VERSION = 1
 
 
 def tokenize_documents(docs: list[Document], tokenizer: SentencePieceTokenizer) -> np.ndarray:
-    """The int32 token stream of `docs`, each wrapped in BOS/EOS."""
-    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
-    eos = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
+    """The int32 token stream of `docs`, each wrapped in BOS/EOS (as add_bos/add_eos say)."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 and tokenizer.add_bos else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id >= 0 and tokenizer.add_eos else []
     pieces = [np.zeros((0,), np.int32)]
     for ids in tokenizer.encode_many([d.text for d in docs]):
         pieces.append(np.asarray(bos + ids + eos, dtype=np.int32))
@@ -44,8 +44,10 @@ def cached_token_stream(
     cache_root: pathlib.Path,
 ) -> np.ndarray:
     """`tokenize_documents`, cached on disk under a key of (corpus, tokenizer model, split)."""
+    flags = (tokenizer.add_bos, tokenizer.add_eos)
+    special = "" if all(flags) else f"|bos={flags[0]},eos={flags[1]}"  # default: the old key
     key = hashlib.sha256(
-        f"v{TOKENS_FORMAT_VERSION}|{split}|{corpus_key}|{tokenizer.model_hash}".encode()
+        f"v{TOKENS_FORMAT_VERSION}|{split}|{corpus_key}|{tokenizer.model_hash}{special}".encode()
     ).hexdigest()[:16]
     path = cache_root / "tokens" / f"{split}_{key}.npy"
     if not path.is_file():

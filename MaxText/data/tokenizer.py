@@ -12,6 +12,10 @@ normalization, no whitespace folding) and encode a newline as its own piece, so
 `decode(encode(s)) == s` for any string (unseen characters fall back to UTF-8 bytes).
 
 `IdTokenizer` is the stand-in for synthetic data, whose "text" is space-separated token ids.
+`HuggingFaceTokenizer` reads a Hugging Face `tokenizer.json` (Llama 3's byte-level BPE) with the
+`tokenizers` library (`tokenizer_type=huggingface`); `load_tokenizer` picks by tokenizer_type.
+Every tokenizer carries `add_bos`/`add_eos` (MaxText's keys, default true): whether documents
+(and, for BOS, generation prompts) are wrapped in those ids.
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ class Tokenizer(Protocol):
 class SentencePieceTokenizer:
     """A sentencepiece model; `origin` is where it came from: 'trained', 'cache' or 'file'."""
 
+    add_bos = True  # set per run from the config (`with_special_tokens`)
+    add_eos = True
+
     def __init__(
         self, model_proto: bytes, *, path: pathlib.Path | None = None, origin: str = "file"
     ):
@@ -105,10 +112,110 @@ class SentencePieceTokenizer:
         )
 
 
+class HuggingFaceTokenizer:
+    """A Hugging Face `tokenizer.json` read with the `tokenizers` library. BOS/EOS/pad are the
+    `bos_token`/`eos_token`/`pad_token` of a `tokenizer_config.json` beside it, else the
+    usual Llama names (`<|begin_of_text|>`/`<s>`, `<|end_of_text|>`/`</s>`); -1 when absent."""
+
+    origin = "file"
+    add_bos = True
+    add_eos = True
+    _BOS = ("<|begin_of_text|>", "<s>")
+    _EOS = ("<|end_of_text|>", "</s>")
+    _PAD = ("<pad>", "<|finetune_right_pad_id|>")
+
+    def __init__(self, path: pathlib.Path):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        raw = path.read_bytes()
+        self._tok = _Tokenizer.from_str(raw.decode("utf-8"))
+        self.path = path
+        self.model_hash = hashlib.sha256(raw).hexdigest()
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        named = self._special_names(path.parent / "tokenizer_config.json")
+        self.bos_id = self._id_of(named.get("bos_token"), self._BOS)
+        self.eos_id = self._id_of(named.get("eos_token"), self._EOS)
+        pad = self._id_of(named.get("pad_token"), self._PAD)
+        self.pad_id = pad if pad >= 0 else 0  # padding is masked out: any in-range id works
+
+    @staticmethod
+    def _special_names(config_path: pathlib.Path) -> dict[str, str]:
+        if not config_path.is_file():
+            return {}
+        try:
+            raw = json.loads(config_path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return {}
+        out = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = raw.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                out[key] = value
+        return out
+
+    def _id_of(self, name: str | None, fallbacks: Sequence[str]) -> int:
+        for candidate in ((name,) if name else ()) + tuple(fallbacks):
+            token_id = self._tok.token_to_id(candidate)
+            if token_id is not None:
+                return int(token_id)
+        return -1
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOS."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; special tokens vanish, ids beyond the vocabulary are dropped."""
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HuggingFaceTokenizer(vocab_size={self.vocab_size}, path={str(self.path)!r})"
+
+
+def load_huggingface(tokenizer_path: str) -> HuggingFaceTokenizer:
+    """A Hugging Face tokenizer.json (or the folder holding one)."""
+    path = pathlib.Path(tokenizer_path).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataNotFoundError(
+            f"tokenizer_path={tokenizer_path!r}: no tokenizer.json there; tokenizer_type="
+            "huggingface reads a Hugging Face tokenizer.json file"
+        )
+    try:
+        return HuggingFaceTokenizer(path)
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises bare Exceptions)
+        raise ValueError(
+            f"tokenizer_path={tokenizer_path!r} is not a Hugging Face tokenizer.json: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
+
+
+def load_tokenizer(tokenizer_path: str, tokenizer_type: str):
+    """The tokenizer file at `tokenizer_path`, read as `tokenizer_type` (sentencepiece or
+    huggingface)."""
+    if tokenizer_type == "huggingface":
+        return load_huggingface(tokenizer_path)
+    return load_sentencepiece(tokenizer_path)
+
+
+def with_special_tokens(tokenizer, add_bos: bool, add_eos: bool):
+    """`tokenizer` with the run's add_bos/add_eos (what documents and prompts are wrapped in)."""
+    tokenizer.add_bos, tokenizer.add_eos = bool(add_bos), bool(add_eos)
+    return tokenizer
+
+
 class IdTokenizer:
     """Tokenizer of synthetic data: text is whitespace-separated decimal ids (e.g. "5 17 3")."""
 
     origin = "synthetic"
+    add_bos = True
+    add_eos = True
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size

@@ -7,5 +7,6 @@ from MaxText.model.decoder import (  # noqa: F401  (the package's public names)
     canonical_init,
     count_params,
     cross_entropy_sums,
+    init_cache,
     init_params,
 )

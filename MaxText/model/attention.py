@@ -2,8 +2,12 @@
 
 `attention=` picks one (`kernel_for`):
 - `dot_product`: the einsum reference; full [L, L] float32 scores per head.
-- `autoselected`: `jax.nn.dot_product_attention` with JAX's choice of implementation (XLA today).
-- `cudnn_flash`: the same with `implementation="cudnn"` (GPU only; `devices.setup` checks).
+- `autoselected`: `jax.nn.dot_product_attention` with `implementation=None`, which JAX resolves to
+  its XLA implementation (dense scores, like `dot_product`); not cuDNN.
+- `cudnn_flash`: the same with `implementation="cudnn"`: cuDNN's fused flash attention (GPU only,
+  `devices.setup` checks; bfloat16/float16 only, the config checks). Packed rows are refused:
+  `jax.nn.dot_product_attention` takes per-row sequence lengths but no segment ids, and a
+  segment mask would reach cuDNN as a dense [B, 1, L, L] bias (O(L^2) memory, not flash).
 - `chunked`: blockwise attention in pure JAX (online softmax over blocks of
   `attention_block_size` keys, custom VJP recomputing each block): O(L x block) memory forward
   and backward, on any backend.
@@ -58,11 +62,37 @@ def dot_product(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL=None):
     return ctx_BxLxKxGxD.reshape(b, length, h, d)
 
 
+def cached_dot_product(q_BxLxHxD, k_BxTxKxD, v_BxTxKxD, positions_BxL):
+    """Decoding against a KV cache of T slots (slot = position): query l of row b sees the
+    slots up to `positions_BxL[b, l]`; later slots (unwritten, or stale padding) are masked.
+    Scores in float32 as in `dot_product`."""
+    b, length, h, d = q_BxLxHxD.shape
+    t, k = k_BxTxKxD.shape[1], k_BxTxKxD.shape[2]
+    dtype = q_BxLxHxD.dtype
+    q_BxLxKxGxD = q_BxLxHxD.reshape(b, length, k, h // k, d) * jnp.asarray(d**-0.5, dtype)
+    scores_BxKxGxLxT = jnp.einsum(
+        "blkgd,btkd->bkglt", q_BxLxKxGxD, k_BxTxKxD, preferred_element_type=jnp.float32
+    )
+    visible_BxLxT = jnp.arange(t)[None, None, :] <= positions_BxL[:, :, None]
+    scores_BxKxGxLxT = jnp.where(
+        visible_BxLxT[:, None, None], scores_BxKxGxLxT, jnp.finfo(jnp.float32).min
+    )
+    probs = jax.nn.softmax(scores_BxKxGxLxT, axis=-1).astype(dtype)
+    ctx_BxLxKxGxD = jnp.einsum("bkglt,btkd->blkgd", probs, v_BxTxKxD)
+    return ctx_BxLxKxGxD.reshape(b, length, h, d)
+
+
 def _nn_dot_product_attention(implementation):
-    """`jax.nn.dot_product_attention` with the causal flag and the segment mask (if any)."""
+    """`jax.nn.dot_product_attention` with the causal flag and the segment mask (if any; never
+    with cuDNN, see the module docstring)."""
 
     def kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL=None):
         mask = None
+        if segment_ids_BxL is not None and implementation == "cudnn":
+            raise ValueError(
+                "attention=cudnn_flash does not take packed rows (segment ids): JAX would pass "
+                "their mask to cuDNN as a dense [L, L] bias; use attention=chunked"
+            )
         if segment_ids_BxL is not None:
             same_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
             mask = same_BxLxL[:, None]  # [B, 1, L, M]: every head alike

@@ -36,11 +36,17 @@ from MaxText.model import layers
 
 
 class Decoder(nn.Module):
+    """`Decoder(config)(tokens_BxL) -> logits_BxLxV`. Decoding with a KV cache (`init_cache`;
+    unrolled layers only): `(tokens_BxL, positions_BxL, cache=cache) -> (logits, new cache)`,
+    the tokens being the ones at `positions_BxL` (consecutive within a row)."""
+
     config: Config
 
     @nn.compact
-    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, cache=None):
         c = self.config
+        if cache is not None and c.scan_layers:
+            raise ValueError("decoding with a KV cache needs scan_layers=false (unrolled layers)")
         dtype, wdtype = layers.dtype_of(c.dtype), layers.dtype_of(c.weight_dtype)
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
@@ -76,11 +82,15 @@ class Decoder(nn.Module):
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
         else:
             stage = 0
+            new_cache = []
             for i in range(c.num_decoder_layers):
                 layer_cls = layers.layer_class(c, stage=stage)
-                x_BxLxE = _constrain(
-                    layer_cls(c, name=f"layers_{i}")(x_BxLxE, positions_BxL, segment_ids_BxL)
-                )
+                layer = layer_cls(c, name=f"layers_{i}")
+                if cache is not None:
+                    x_BxLxE, layer_cache = layer(x_BxLxE, positions_BxL, segment_ids_BxL, cache[i])
+                    new_cache.append(layer_cache)
+                    continue
+                x_BxLxE = _constrain(layer(x_BxLxE, positions_BxL, segment_ids_BxL))
                 if i in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
                     stage += 1
@@ -95,9 +105,10 @@ class Decoder(nn.Module):
                 (c.emb_dim, c.vocab_size),
                 wdtype,
             )
-        return jnp.einsum(
+        logits_BxLxV = jnp.einsum(
             "ble,ev->blv", x_BxLxE, head_ExV.astype(dtype), preferred_element_type=jnp.float32
         )
+        return logits_BxLxV if cache is None else (logits_BxLxV, new_cache)
 
     def _scan(self, name: str, stage: int, length: int, x_BxLxE, *per_token_args):
         """`length` layers of `stage` as one `nn.scan` over weights stacked under `name` (leading
@@ -112,6 +123,17 @@ class Decoder(nn.Module):
         )
         x_BxLxE, _ = scanned(self.config, name=name)(x_BxLxE, *per_token_args)
         return x_BxLxE
+
+
+def init_cache(config: Config, batch: int, length: int) -> list[dict[str, jax.Array]]:
+    """An empty KV cache of `length` slots per row, one {"key", "value"} [B, T, K, D] per layer
+    (in `dtype`, as the keys and values the layers compute)."""
+    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    dtype = layers.dtype_of(config.dtype)
+    return [
+        {"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
+        for _ in range(config.num_decoder_layers)
+    ]
 
 
 def scanned_blocks(config: Config) -> list[tuple[str, int, int]]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
@@ -83,12 +84,33 @@ def norm_for(config: Config, name: str) -> nn.Module:
     )
 
 
-def apply_rope(x_BxLxNxD, positions_BxL, max_timescale: float):
-    """Rotary position embedding, rotating the two halves of the head dimension."""
-    d = x_BxLxNxD.shape[-1]
-    fraction = 2.0 * jnp.arange(d // 2, dtype=jnp.float32) / d
-    inv_freq = 1.0 / (max_timescale**fraction)
-    angles_BxLx1xF = (positions_BxL.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+def rope_frequencies(config: Config, head_dim: int):
+    """The RoPE inverse frequencies [head_dim / 2] (float32) of `config`.
+
+    default: `1 / rope_max_timescale ** (2i / head_dim)`. llama3.1 (Llama 3.1's `rope_scaling`,
+    `rope_type: llama3` in Hugging Face's config): wavelengths 2 pi / f longer than
+    original / low_freq_factor are divided by `rope_scaling_factor`, those shorter than
+    original / high_freq_factor kept, and the band between interpolated linearly in
+    original / wavelength (computed in float64, then rounded to float32)."""
+    fraction = 2.0 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+    if config.rope_type == "default":
+        return 1.0 / (config.rope_max_timescale**fraction)
+    base = 1.0 / (config.rope_max_timescale ** (2.0 * np.arange(head_dim // 2) / head_dim))
+    original = float(config.rope_original_max_position_embeddings)
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    wavelength = 2.0 * np.pi / base
+    smooth = (original / wavelength - low) / (high - low)
+    interpolated = (1.0 - smooth) * base / config.rope_scaling_factor + smooth * base
+    scaled = np.where(wavelength > original / low, base / config.rope_scaling_factor, base)
+    scaled = np.where((wavelength <= original / low) & (wavelength >= original / high),
+                      interpolated, scaled)  # fmt: skip
+    return jnp.asarray(scaled, jnp.float32)
+
+
+def apply_rope(x_BxLxNxD, positions_BxL, inv_freq_F):
+    """Rotary position embedding, rotating the two halves of the head dimension (Hugging Face's
+    `rotate_half` convention) by angles position x `inv_freq_F` (see `rope_frequencies`)."""
+    angles_BxLx1xF = (positions_BxL.astype(jnp.float32)[..., None] * inv_freq_F)[:, :, None, :]
     sin, cos = jnp.sin(angles_BxLx1xF), jnp.cos(angles_BxLx1xF)
     x32 = x_BxLxNxD.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
@@ -101,12 +123,17 @@ class Attention(nn.Module):
 
     Projections and RoPE here; the masked softmax itself is a kernel of
     `MaxText/model/attention.py`.
-    `segment_ids_BxL` (packed rows) restricts each token to its own segment; None: causal only."""
+    `segment_ids_BxL` (packed rows) restricts each token to its own segment; None: causal only.
+
+    Decoding: with `cache={"key": k_BxTxKxD, "value": v_BxTxKxD}` the new keys and values are
+    written at slots `positions_BxL` (slot = position; the rows of a step are consecutive), every
+    query attends to the cached slots up to its own position, and the call returns
+    (output, updated cache). Without a cache (training) nothing of this runs."""
 
     config: Config
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None):
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None):
         c = self.config
         dtype, wdtype = dtype_of(c.dtype), dtype_of(c.weight_dtype)
         e, h, k, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
@@ -132,11 +159,22 @@ class Attention(nn.Module):
         k_BxLxKxD = project("key", k, "kv_heads", bias=False)
         v_BxLxKxD = project("value", k, "kv_heads")
         if c.decoder_block == "llama":
-            q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, c.rope_max_timescale)
-            k_BxLxKxD = apply_rope(k_BxLxKxD, positions_BxL, c.rope_max_timescale)
+            inv_freq_F = rope_frequencies(c, d)
+            q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, inv_freq_F)
+            k_BxLxKxD = apply_rope(k_BxLxKxD, positions_BxL, inv_freq_F)
 
-        kernel = attention.kernel_for(c.attention, c.attention_block_size)
-        ctx_BxLxHxD = kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
+        if cache is None:
+            kernel = attention.kernel_for(c.attention, c.attention_block_size)
+            ctx_BxLxHxD = kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
+        else:
+            start = (0, positions_BxL[0, 0], 0, 0)
+            cache = {
+                "key": jax.lax.dynamic_update_slice(cache["key"], k_BxLxKxD, start),
+                "value": jax.lax.dynamic_update_slice(cache["value"], v_BxLxKxD, start),
+            }
+            ctx_BxLxHxD = attention.cached_dot_product(
+                q_BxLxHxD, cache["key"], cache["value"], positions_BxL
+            )
         ctx_BxLxHxD = checkpoint_name(ctx_BxLxHxD, "context")
 
         out_kernel = _param(
@@ -146,7 +184,8 @@ class Attention(nn.Module):
         if use_bias:
             out_bias = _param(self, "out_bias", nn.initializers.zeros, (e,), ("embed",), wdtype)
             out_BxLxE = out_BxLxE + out_bias.astype(dtype)
-        return checkpoint_name(out_BxLxE, "out_proj")
+        out_BxLxE = checkpoint_name(out_BxLxE, "out_proj")
+        return out_BxLxE if cache is None else (out_BxLxE, cache)
 
 
 class MLP(nn.Module):
@@ -182,19 +221,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)).
+    With a KV `cache` (decoding, see `Attention`) it returns (output, updated cache)."""
 
     config: Config
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None):
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None):
         c = self.config
         h = Attention(c, name="self_attention")(
-            norm_for(c, "pre_attention_norm")(x_BxLxE), positions_BxL, segment_ids_BxL
+            norm_for(c, "pre_attention_norm")(x_BxLxE), positions_BxL, segment_ids_BxL, cache
         )
+        if cache is not None:
+            h, cache = h
         x_BxLxE = x_BxLxE + h
         h = MLP(c, name="mlp")(norm_for(c, "pre_mlp_norm")(x_BxLxE))
-        return x_BxLxE + h
+        return x_BxLxE + h if cache is None else (x_BxLxE + h, cache)
 
 
 class ScannedDecoderLayer(DecoderLayer):

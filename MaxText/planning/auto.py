@@ -8,7 +8,8 @@
   check.
 
 `make_plan` is what `python -m MaxText.plan` prints, every `auto` key decided; `resolve_auto` is
-what `train.py` runs before building its step: the same decisions, returned as typed keys.
+what `train.py` runs before building its step: the same decisions, as a config whose keys hold
+them (every changed config comes from `Config.replace`, so it is checked and derived again).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from jaxpp_integration.schedules import SCHEDULE_NAMES
+from MaxText.errors import ConfigError
 from MaxText.planning.cost_model import Plan, plan_pipelined, plan_spmd
 from MaxText.planning.hardware import Hardware, local_hardware
 
@@ -70,13 +73,14 @@ def plan_layout(config, hardware: Hardware, base: Plan | None = None) -> Plan:
         why = "no other split fits" if found is None else "the even split is the best"
         log.info("pipeline_stage_layers=auto: %s; keeping %s", why, base.stage_layers)
         return even
-    chosen = dataclasses.replace(config, stage_layers=found.split, remat_auto=False)
-    if config.remat_auto:
-        chosen = dataclasses.replace(chosen, stage_remat=found.policies)
+    split = config.replace(pipeline_stage_layers=",".join(map(str, found.split)))
+    chosen = (
+        split.replace(pipeline_stage_remat=",".join(found.policies)) if config.remat_auto else split
+    )
     plan = plan_pipelined(chosen, hardware)
     if config.remat_auto:
         if not plan.fits:  # the prediction missed: move its groups to heavier policies
-            plan = plan_remat_auto(dataclasses.replace(chosen, remat_auto=True), hardware, plan)
+            plan = plan_remat_auto(split, hardware, plan)
         else:
             report = _remat_report(chosen, plan)
             plan = dataclasses.replace(
@@ -159,8 +163,7 @@ def plan_remat_auto(config, hardware: Hardware, base: Plan) -> Plan:
     )
     for _ in range(3):
         if tuple(policies) != tuple(plan.stage_remat):
-            chosen = dataclasses.replace(config, stage_remat=tuple(policies), remat_auto=False)
-            plan = plan_pipelined(chosen, hardware)
+            plan = plan_pipelined(config.replace(pipeline_stage_remat=",".join(policies)), hardware)
         over = {g.group for g in plan.groups if g.peak_bytes > hardware.memory_bytes}
         heavier = [
             rc.heavier(p, profile) if group_of[s] in over else p for s, p in enumerate(policies)
@@ -190,8 +193,7 @@ def plan_spmd_remat_auto(config, hardware: Hardware) -> Plan:
 
     profile = rc.layer_profile(config)
     for policy in rc.by_recompute(profile):
-        one = dataclasses.replace(config, remat_policy=policy, stage_remat=(policy,))
-        plan = plan_spmd(one, hardware)
+        plan = plan_spmd(config.replace(remat_policy=policy), hardware)
         if plan.fits:
             break
     extra = profile[policy].flops / profile["none"].flops - 1.0
@@ -220,73 +222,80 @@ def _full_step_s(plan: Plan) -> float:
     return plan.predicted["step_time_s"] if set(plan.stage_remat) == {"full"} else 0.0
 
 
-def resolve_schedule(argv, config, hardware: Hardware, base: Plan | None = None):
+def resolve_schedule(config, hardware: Hardware, base: Plan | None = None):
     """`pipeline_schedule=auto` / `num_pipeline_microbatches=auto`: the fastest predicted
     (schedule, virtual stages, microbatches) that fits (`schedule_choice`, from one plan of the
-    defaults), logged with the runner-up. Returns (config, keys, plan): the choice as `key=value`
-    strings appended to `argv`, the config loaded again with them (validated like a typed one),
-    and the plan of that config when it is the one already planned (else None)."""
-    from MaxText.config import load_config
+    defaults), logged with the runner-up. Returns (config, plan): the config with the choice in
+    its keys, and the plan of that config when it is the one already planned (else None)."""
     from MaxText.planning.schedule_choice import choose, microbatch_options
 
     if not (config.is_pipelined and (config.schedule_auto or config.microbatches_auto)):
-        return config, [], base
+        return config, base
     base = base or plan_pipelined(config, hardware)
-    schedules = _all_schedules() if config.schedule_auto else [config.pipeline_schedule]
+    schedules = list(SCHEDULE_NAMES) if config.schedule_auto else [config.pipeline_schedule]
+    # microbatches per step; the key counts them per accumulation step (gradient_accumulation)
+    ga = config.gradient_accumulation_steps
     if config.microbatches_auto:
-        counts = microbatch_options(base.baseline)
+        counts = [m for m in microbatch_options(base.baseline) if m % ga == 0]
     else:
         counts = [config.num_pipeline_microbatches]
     ranked = choose(base.baseline, hardware.memory_bytes, schedules, counts)
     if not ranked:
         log.info("auto schedule: no candidate for this batch; keeping %s", config.pipeline_schedule)
-        return config, [], base
+        return config, base
     log.info("auto schedule: %s", ranked[0].describe())
     if len(ranked) > 1:
         log.info("runner-up: %s", ranked[1].describe())
     best = ranked[0]
-    keys = [
-        f"pipeline_schedule={best.schedule}",
-        f"num_pipeline_repeats={best.repeats}",
-        f"num_pipeline_microbatches={best.microbatches}",
-    ]
-    chosen = load_config([*argv, *keys])
+    chosen = config.replace(
+        pipeline_schedule=best.schedule,
+        num_pipeline_repeats=int(best.repeats),
+        num_pipeline_microbatches=int(best.microbatches) // ga,
+    )
     same = (chosen.pipeline_schedule, chosen.num_pipeline_repeats, chosen.num_pipeline_microbatches)
     planned = (
         config.pipeline_schedule,
         config.num_pipeline_repeats,
         config.num_pipeline_microbatches,
     )
-    return chosen, keys, base if same == planned else None
+    return chosen, base if same == planned else None
 
 
-def resolve_auto(argv, config, hardware: Hardware | None = None):
+def _refuse_several_processes(config) -> None:
+    """The planner reads every group's compiled programs; under several processes each process
+    compiles only its own groups' (and all must decide alike), so pipelined `auto` keys are
+    decided beforehand on one host."""
+    import jax
+
+    if config.is_pipelined and jax.process_count() > 1:
+        raise ConfigError(
+            f"'auto' pipeline keys need the planner, which compiles every pipeline group in one "
+            f"process, but this run has {jax.process_count()} processes; run `python -m "
+            "MaxText.plan` with the same arguments on one host and pass the keys it chose"
+        )
+
+
+def resolve_auto(config, hardware: Hardware | None = None):
     """The trainer's config with every "auto" key decided, in the planner's order: schedule and
     microbatches (`resolve_schedule`), then the split and remat per stage of that schedule
-    (`plan_layout`). Each decision is logged and appended to `argv` as a typed key, and the
-    config is loaded again."""
-    from MaxText.config import load_config
-
+    (`plan_layout`). Each decision is logged and set in the config's keys."""
     split_auto = config.is_pipelined and config.pipeline_stage_layers == "auto"
     if not (config.schedule_auto or config.microbatches_auto or split_auto or config.remat_auto):
         return config
+    _refuse_several_processes(config)
     hardware = hardware or local_hardware(config)
-    config, keys, base = resolve_schedule(argv, config, hardware)
+    config, base = resolve_schedule(config, hardware)
     if not config.is_pipelined:
         if config.remat_auto:
-            plan = plan_spmd_remat_auto(config, hardware)
-            keys.append(f"remat_policy={plan.stage_remat[0]}")
-        return load_config([*argv, *keys]) if keys else config
+            config = config.replace(
+                remat_policy=plan_spmd_remat_auto(config, hardware).stage_remat[0]
+            )
+        return config
+    keys = {}
     if split_auto or config.remat_auto:
         plan = plan_layout(config, hardware, base)
         if split_auto:
-            keys.append("pipeline_stage_layers=" + ",".join(map(str, plan.stage_layers)))
+            keys["pipeline_stage_layers"] = ",".join(map(str, plan.stage_layers))
         if config.remat_auto or plan.stage_remat != tuple(config.stage_remat):
-            keys.append("pipeline_stage_remat=" + ",".join(plan.stage_remat))
-    return load_config([*argv, *keys])
-
-
-def _all_schedules() -> list[str]:
-    from MaxText.config import PIPELINE_SCHEDULES
-
-    return list(PIPELINE_SCHEDULES)
+            keys["pipeline_stage_remat"] = ",".join(plan.stage_remat)
+    return config.replace(**keys)

@@ -73,9 +73,12 @@ class Plan:
     gradient_reduction: str = "step"
     task_seconds: dict = dataclasses.field(default_factory=dict)  # (Phase, stage) -> s
     transfer_s: float = 0.0  # one stage boundary crossing (activation or cotangent)
+    gradients: dict | None = None  # `gradient_communication` of the compiled step
 
     def as_json(self) -> dict[str, Any]:
+        extra = {"gradients": self.gradients} if self.gradients is not None else {}
         return {
+            **extra,
             "fits": self.fits,
             "hardware": self.hardware,
             "stage_layers": list(self.stage_layers),
@@ -100,7 +103,7 @@ class Plan:
 def _suggestion(g: GroupPlan, plan: Plan) -> str:
     """What to change for group `g` that does not fit, most effective first."""
     tips = []
-    if plan.gradient_reduction == "step" and g.grad_bytes > 1.5 * g.params_bytes:
+    if plan.gradient_reduction != "microbatch" and g.grad_bytes > 1.5 * g.params_bytes:
         tips.append(
             f"gradient_reduction=microbatch accumulates gradients sharded like the parameters "
             f"({format_bytes(g.grad_bytes)} -> about {format_bytes(g.params_bytes)})"
@@ -168,7 +171,12 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     model = Decoder(config)
     optimizer, lr = make_optimizer(config)
     abstract_state, specs = ts.state_specs(config, model, optimizer)
-    fn = ts.pipelined_train_step(config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh))
+    # gradient_reduction=auto decides for the hardware planned for (this host's CPU: as the
+    # trainer here would, from what the devices report)
+    memory = None if hardware.name == "cpu" else hardware.memory_bytes
+    fn = ts.pipelined_train_step(
+        config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh), memory
+    )
     t0 = time.perf_counter()
     with sharding.axis_rules():  # as the trainer compiles it
         compiled = fn.compile(abstract_state, ts.batch_shapes(config))
@@ -241,6 +249,7 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
     return dataclasses.replace(
         out,
+        gradients=gradient_communication(compiled, groups),
         stage_costs=stage_costs,
         baseline=baseline,
         stage_remat=tuple(config.stage_remat),
@@ -248,6 +257,69 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
         rows_per_microbatch=config.microbatch_size / config.data_parallel_devices,
         task_seconds=dict(per_task),
         transfer_s=costs.transfer,
+    )
+
+
+def gradient_communication(compiled, groups) -> dict:
+    """What the step's `gradient_reduction` chose and costs: the mode and the axes it defers to
+    once per step or reduce-scatters every microbatch, the gradient accumulator bytes per device
+    of each group (`GroupPlan.grad_bytes`), and the reduction launches and bytes per device per
+    step of the loop and `reduce_r` tasks by kind and mesh axes (counted in the compiled HLO,
+    loops per trip; the optimizer's own reductions, e.g. the global norm, excluded), those of
+    the loop tasks alone ("in_loop_tasks"), and launches and bytes per device of each group
+    ("reductions_per_group": a device takes part in its own group's collectives only)."""
+    from jaxpp_integration.tools.collectives import program_collectives
+
+    choice = compiled.reduction_choice
+    counts = program_collectives(
+        compiled, where=lambda code: code.kind == "loop" or code.name.startswith("reduce_")
+    )
+    in_loop = program_collectives(compiled, where=lambda code: code.kind == "loop")
+    kinds = ("all-reduce", "reduce-scatter")
+    return {
+        "in_loop_tasks": {
+            kind: in_loop[kind]["launches"]
+            for kind in ("all-reduce", "reduce-scatter")
+            if in_loop[kind]["launches"]
+        },
+        "mode": choice.mode,
+        "deferred_axes": list(choice.deferred_axes),
+        "scattered_axes": list(choice.scattered_axes),
+        "grad_bytes": [g.grad_bytes for g in groups],
+        "reductions": {
+            kind: counts["by_axis"][kind]
+            for kind in ("all-reduce", "reduce-scatter")
+            if kind in counts["by_axis"]
+        },
+        "reductions_per_group": [
+            {
+                k: sum(
+                    c[k] for kind, c in counts["by_group"].get(g.group, {}).items() if kind in kinds
+                )
+                for k in ("launches", "bytes")
+            }
+            for g in groups
+        ],
+    }
+
+
+def describe_gradients(report: dict) -> str:
+    """One line of `gradient_communication`'s report for the printed plan."""
+    axes = []
+    if report["deferred_axes"]:
+        axes.append(f"deferred over {'+'.join(report['deferred_axes'])}")
+    if report["scattered_axes"]:
+        axes.append(f"reduce-scattered over {'+'.join(report['scattered_axes'])} every microbatch")
+    launches = [
+        f"{kind} {c['launches']} over {where or 'one device'} ({format_bytes(c['bytes'])})"
+        for kind, by_axes in report["reductions"].items()
+        for where, c in by_axes.items()
+    ]
+    return (
+        f"gradient_reduction={report['mode']}"
+        + (f" ({'; '.join(axes)})" if axes else "")
+        + f": per step {', '.join(launches) or 'no reduction'}; gradients per device "
+        + " / ".join(format_bytes(b) for b in report["grad_bytes"])
     )
 
 

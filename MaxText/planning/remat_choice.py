@@ -69,7 +69,7 @@ def layer_profile(config) -> dict[str, PolicyCost]:
     x_bytes = length * config.emb_dim * x.dtype.itemsize  # the layer's input
     out = {}
     for policy in REMAT_POLICIES:
-        one = dataclasses.replace(config, remat_policy=policy, stage_remat=(policy,))
+        one = config.replace(remat_policy=policy, pipeline_stage_remat="")
         layer = layers.layer_class(one)(one)
         params = jax.eval_shape(layer.init, jax.random.key(0), x, positions)
 

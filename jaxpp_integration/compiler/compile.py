@@ -10,6 +10,24 @@ layouts relative to the group's sub-mesh and its donation, never by rank or devi
 group that runs it compiles it; every other group gets that executable loaded onto its own
 devices (`jax_compat.load_compiled_on`); other microbatches reuse their group's executable.
 
+Several processes (multi-controller JAX): each process compiles only the programs of the groups
+whose devices it owns (`local_ranks`); a program of another process's group is never compiled or
+loaded here. A value sent from another process's group must still arrive in the layout its
+producer's compiled program gives it (both ends of a cross-process transfer use the same spec,
+`runtime/transfer.py`), and that layout is XLA's choice when the producer compiles. So the
+producing process publishes its programs' output specs through `jax.distributed`'s key-value
+store as each compile finishes, and a process needing one waits for it (`exchange`,
+`transfer.SpecExchange`). Chosen over pinning the specs of every crossing value from the trace:
+pinning would force layouts XLA did not pick (extra collectives inside stages) and would change
+the programs with the process count; exchanging them keeps every program identical to the one
+a single process compiles, so results stay bitwise. No deadlock: programs are compiled in
+program order and a program only reads values made earlier in that order, so the earliest
+program not yet compiled on any process never waits.
+
+`task_programs` gives each distinct program back as the `jax.jit` function and abstract arguments it
+was compiled from, to lower it again elsewhere (e.g. for CUDA on a host without GPUs:
+`tp.fn.trace(*tp.args).lower(lowering_platforms=("cuda",))`).
+
 With JAX's persistent compilation cache on (`jax_cache_dir`), a program may come from the cache;
 XLA:CPU cannot serialize an executable it deserialized, so before loading such a program onto
 other groups it is compiled once more without the cache (one extra compile per shared program
@@ -18,6 +36,7 @@ when the cache is warm; the other programs are cache reads).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -32,6 +51,7 @@ from jaxpp_integration.frontend.treduce import microbatch
 from jaxpp_integration.jax_compat import (
     load_compiled_on,
     persistent_cache_reads,
+    persistent_cache_writes_here,
     without_persistent_cache,
 )
 
@@ -149,6 +169,51 @@ def _sds(aval, sharding):
     )
 
 
+def _jit_task(prog: Program, mpmd_mesh, ins: Run, in_shardings):
+    """(the `jax.jit` of `ins`'s program on its group's mesh, its abstract arguments)."""
+    code = ins.code
+    group = mpmd_mesh.unstack[code.rank]
+    eqns = rebind_meshes(code.eqns, (mpmd_mesh.lowering_mesh(), mpmd_mesh.jax_mesh), group)
+    fn = task_function(code, eqns)
+    if code.out_specs:
+        fn = _constrained(fn, code.out_specs, group)
+    avals = tuple(_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_shardings))
+    return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True), avals
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskProgram:
+    """One distinct task program of a compiled step: `fn` (a `jax.jit` function) applied to
+    `args` (`jax.ShapeDtypeStruct`s with the input shardings it was compiled for) is the program
+    `compile_program` compiled. `name` is its task (`fwd_0`, `after_loop_1_0`, ...), `rank` the
+    first group running it."""
+
+    name: str
+    rank: int
+    kind: str
+    fn: object
+    args: tuple
+
+
+def task_programs(prog: Program, mpmd_mesh, slot_sharding: dict) -> list[TaskProgram]:
+    """Every distinct program of `prog` once (distinct as `compile_program` counts them), in
+    program order. `slot_sharding` is the shardings `compile_program` returned (a compiled
+    step's `.slot_sharding`)."""
+    seen, out = set(), []
+    for ins in prog.instrs:
+        if not isinstance(ins, Run):
+            continue
+        in_sh = tuple(slot_sharding[s] for s in ins.ins)
+        group = mpmd_mesh.unstack[ins.code.rank]
+        key = (_key(ins.code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
+        if key in seen:
+            continue
+        seen.add(key)
+        fn, args = _jit_task(prog, mpmd_mesh, ins, in_sh)
+        out.append(TaskProgram(ins.code.name, ins.code.rank, ins.code.kind, fn, args))
+    return out
+
+
 @dataclasses.dataclass
 class CompileStats:
     """How `compile_program` obtained the executables of one program.
@@ -164,6 +229,58 @@ class CompileStats:
     seconds: dict = dataclasses.field(default_factory=dict)
 
 
+class _Remote:
+    """A slot sharding made by a program another process compiles (`out` of the specs
+    `specs()` fetches from it, on `mesh` of group `rank`)."""
+
+    __slots__ = ("specs", "out")
+
+    def __init__(self, specs, out):
+        self.specs, self.out = specs, out
+
+    def get(self):
+        return self.specs()[self.out]
+
+
+def _remote_outputs(exchange, index: int, mesh):
+    """A memoized fetch of the output shardings of instruction `index` (a Run on `mesh`)."""
+    got: list = []
+
+    def specs():
+        if not got:
+            got.append([NamedSharding(mesh, spec) for spec in exchange.fetch(index)])
+        return got[0]
+
+    return specs
+
+
+def _spec_of(sharding) -> PartitionSpec:
+    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+
+def _shared_runs(prog: Program) -> set:
+    """Indices of Runs whose output layouts another process may need: those making a value
+    that is transferred or is a step output (the same set on every process)."""
+    wanted = {ins.src for ins in prog.instrs if isinstance(ins, Transfer)}
+    wanted |= {s for slots in prog.outputs for s in slots.values()}
+    return {
+        idx
+        for idx, ins in enumerate(prog.instrs)
+        if isinstance(ins, Run) and any(s in wanted for s in ins.outs)
+    }
+
+
+def _needed_here(prog: Program, local) -> set:
+    """Slots whose sharding this process needs: its groups' slots, both ends of its transfers,
+    and the step outputs (every process describes every output)."""
+    need = {s for s, r in enumerate(prog.slot_rank) if r in local}
+    need |= {s for slots in prog.outputs for s in slots.values()}
+    for ins in prog.instrs:
+        if isinstance(ins, Transfer) and (ins.src_rank in local or ins.dst_rank in local):
+            need |= {ins.src, ins.dst}
+    return need
+
+
 class _Pending:
     """A slot sharding that a compile still running will produce (`out` of `future`)."""
 
@@ -177,9 +294,17 @@ class _Pending:
 
 
 def compile_program(
-    prog: Program, mpmd_mesh, input_shardings: dict, cache: dict, compile_threads: int = 0
+    prog: Program,
+    mpmd_mesh,
+    input_shardings: dict,
+    cache: dict,
+    compile_threads: int = 0,
+    local_ranks=None,
+    exchange=None,
 ):
-    """Compiles every Run of `prog`; returns (executables per instr index, slot shardings, stats).
+    """Compiles the Runs of `prog` on `local_ranks` (default: every group); returns (executables
+    per instr index, slot shardings this process needs, stats). With other groups on other
+    processes, `exchange` (`publish(index, specs)`, `fetch(index)`) shares output layouts.
 
     A distinct program (see `_key` and `_layout_key`: no device ids) is compiled once, for the
     first group that runs it; every other group gets that executable loaded onto its own devices
@@ -187,8 +312,6 @@ def compile_program(
     `compile_threads > 1` compiles independent programs concurrently on that many threads (a
     task waits only for the compiles whose output shardings it reads); this pays on hosts with
     many free cores (GPU hosts), not on a small loaded CPU box."""
-    lowering = mpmd_mesh.lowering_mesh()
-    src_meshes = (lowering, mpmd_mesh.jax_mesh)
     stats = CompileStats()
     lock = threading.Lock()
     in_flight: dict = {}  # (program key, rank) -> Future of the executable
@@ -198,13 +321,16 @@ def compile_program(
     fresh: dict = {}  # program key -> Future of the program compiled without that cache
     pool = ThreadPoolExecutor(compile_threads) if compile_threads > 1 else None
 
+    local = frozenset(range(mpmd_mesh.mpmd_dim) if local_ranks is None else local_ranks)
+    assert exchange is not None or len(local) == mpmd_mesh.mpmd_dim, "remote groups need exchange"
+    shared = _shared_runs(prog) if exchange is not None else set()
     slot_sharding: dict = dict(input_shardings)
     for s in prog.constants:
         slot_sharding[s] = mpmd_mesh.sharding(prog.slot_rank[s], PartitionSpec())
 
     def resolve(slot):
         sh = slot_sharding[slot]
-        if isinstance(sh, _Pending):
+        if isinstance(sh, (_Pending, _Remote)):
             sh = slot_sharding[slot] = sh.get()
         elif callable(sh):
             sh = slot_sharding[slot] = sh()
@@ -217,12 +343,8 @@ def compile_program(
             return fn_cache[id(code)]
 
     def lower(code, ins, in_sh):
-        eqns = rebind_meshes(code.eqns, src_meshes, mpmd_mesh.unstack[code.rank])
-        avals = [_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_sh)]
-        fn = task_function(code, eqns)
-        if code.out_specs:
-            fn = _constrained(fn, code.out_specs, mpmd_mesh.unstack[code.rank])
-        return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True).lower(*avals)
+        jitted, avals = _jit_task(prog, mpmd_mesh, ins, in_sh)
+        return jitted.lower(*avals)
 
     def compile_one(code, ins, in_sh):
         t0 = time.perf_counter()
@@ -297,34 +419,49 @@ def compile_program(
         fut.set_result(exe)
         return exe
 
+    def compile_and_share(ins, idx):
+        exe = executable_for(ins)
+        if idx in shared:  # other processes may wait for these layouts
+            exchange.publish(idx, [_spec_of(sh) for sh in exe.output_shardings])
+        return exe
+
     jobs = {}
+    # several processes: programs are compiled only here, so this process writes them to JAX's
+    # persistent compilation cache itself (JAX writes from process 0 only)
+    writes = persistent_cache_writes_here() if exchange is not None else contextlib.nullcontext()
     try:
-        for idx, ins in enumerate(prog.instrs):
-            if isinstance(ins, Transfer):
+        with writes:
+            for idx, ins in enumerate(prog.instrs):
+                if isinstance(ins, Transfer):
 
-                def moved(src=ins.src, rank=ins.dst_rank):
-                    sh = resolve(src)
-                    spec = sh.spec if isinstance(sh, NamedSharding) else PartitionSpec()
-                    return mpmd_mesh.sharding(rank, spec)
+                    def moved(src=ins.src, rank=ins.dst_rank):
+                        return mpmd_mesh.sharding(rank, _spec_of(resolve(src)))
 
-                slot_sharding[ins.dst] = moved if pool is not None else moved()
-            elif isinstance(ins, Run):
-                if pool is None:
-                    job = Future()
-                    job.set_result(executable_for(ins))
-                else:
-                    job = pool.submit(executable_for, ins)
-                jobs[idx] = job
-                for j, s in enumerate(ins.outs):
-                    slot_sharding[s] = _Pending(job, j)
-            elif isinstance(ins, Fill):
-                spec = prog.slot_spec.get(ins.slot, PartitionSpec())
-                slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, spec)
-        executables = {idx: job.result() for idx, job in jobs.items()}
+                    here = ins.src_rank in local or ins.dst_rank in local
+                    slot_sharding[ins.dst] = moved() if pool is None and here else moved
+                elif isinstance(ins, Run) and ins.code.rank not in local:
+                    specs = _remote_outputs(exchange, idx, mpmd_mesh.unstack[ins.code.rank])
+                    for j, s in enumerate(ins.outs):
+                        slot_sharding[s] = _Remote(specs, j)
+                elif isinstance(ins, Run):
+                    if pool is None:
+                        job = Future()
+                        job.set_result(compile_and_share(ins, idx))
+                    else:
+                        job = pool.submit(compile_and_share, ins, idx)
+                    jobs[idx] = job
+                    for j, s in enumerate(ins.outs):
+                        slot_sharding[s] = _Pending(job, j)
+                elif isinstance(ins, Fill):
+                    spec = prog.slot_spec.get(ins.slot, PartitionSpec())
+                    slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, spec)
+            executables = {idx: job.result() for idx, job in jobs.items()}
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
-    return executables, {s: resolve(s) for s in slot_sharding}, stats
+    need = _needed_here(prog, local) if len(local) < mpmd_mesh.mpmd_dim else slot_sharding
+    lazy = lambda s: isinstance(slot_sharding[s], _Remote) or callable(slot_sharding[s])  # noqa: E731
+    return executables, {s: resolve(s) for s in slot_sharding if s in need or not lazy(s)}, stats
 
 
 def _constrained(fn, specs, mesh: Mesh):

@@ -110,7 +110,8 @@ _INDEX_AVAL = jax.core.ShapedArray((), np.int32)
 class StepParts:
     """What `build_program` turns into a `Program`: the traced step and the earlier passes'
     results. `deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
-    `loop_body`, the rewritten body), summed once after the loop (None: reduced as it is made);
+    `loop_body`, the rewritten body), summed once after the loop, or the PartitionSpec of such a
+    partial (`reduction_plan`); None: reduced as it is made;
     `gather_specs`: loop constants gathered once per step (`pipeline_fsdp_ag_once`) and their
     layouts; `reduce_specs[j]`: the layout the once-per-step sum of output j is reduced to."""
 
@@ -166,6 +167,8 @@ class _Builder:
         """The layout of accumulator j: a deferred partial sum's [D, ...] split over its axes,
         else the user's `treduce(out_specs=...)` entry (None: left to XLA)."""
         axes = self.deferred[j]
+        if isinstance(axes, PartitionSpec):  # a partial scattered over fsdp: its whole layout
+            return axes
         if axes is None:
             specs = self.loop_eqn.params.get("acc_specs")
             return specs[j] if specs else None

@@ -1,4 +1,4 @@
-"""Pass (option `gradient_reduction="step"`): keep the loop's `Add` outputs unreduced per device.
+"""Pass (option `gradient_reduction="step"` or `"auto"`): keep the loop's `Add` outputs unreduced.
 
 Under data parallelism inside a group, a gradient (or a loss sum, a token count) is a sum over
 the rows of a microbatch that are spread over the data axes; XLA reduces it with an all-reduce
@@ -19,13 +19,16 @@ value that an unsupported operation reads, or that another stage reads (it would
 times its size), is summed first: that is today's per-microbatch all-reduce for that value only.
 
 Call primitives (`pjit`, `checkpoint`, `closed_call`, custom derivatives, which after
-differentiation only evaluate) are inlined so gradients computed inside them can be deferred;
-`scan`/`while`/`cond` bodies are left alone (their outputs are reduced per microbatch).
+differentiation only evaluate) are inlined so gradients computed inside them can be deferred.
+`scan` bodies (a scanned layer stack, forward and backward) are evaluated the same way inside a
+new `scan`: a per-layer weight gradient leaves the backward scan as a partial sum per trip, a
+gradient carried across trips is carried partial, so nothing deferred is reduced inside the
+loop (`_scan`). `while`/`cond` bodies are left alone (their outputs are reduced where made).
 
-The same row tracking also answers two sharding questions for the program builder:
-`reduced_specs` (the spec a deferred sum should come out with: its weight's, so fsdp gets a
-reduce-scatter) and `gather_specs` (`pipeline_fsdp_ag_once`: what each fsdp-sharded weight is
-gathered to once per step).
+`finish` hooks let the caller transform an output right where it is made (`reduction_plan`:
+the per-microbatch reduce-scatter over fsdp of `gradient_reduction="auto"`). The same row
+tracking answers the program builder's sharding questions (`seed_rows`, used by
+`reduction_plan`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal, Var
-from jax.sharding import PartitionSpec
 
 from jaxpp_integration.frontend.marker import is_marker
 from jaxpp_integration.frontend.reductions import Add
@@ -119,24 +121,43 @@ def seed_rows(jaxpr, in_specs: list, before_eqns: list, xs_vars: list, axis: int
     return out
 
 
-def defer_reductions(body: ClosedJaxpr, n_consts: int, mb_rows: list, ops, mesh_shape) -> Deferred:
+def defer_reductions(
+    body: ClosedJaxpr, n_consts: int, mb_rows: list, ops, mesh_shape, finish=None
+) -> Deferred:
     """Rewrites `body` (invars = consts, microbatch leaves) so that `Add` outputs summed over
-    rows are per-device partial sums [D, *shape]. `mesh_shape` maps axis name -> size."""
+    rows are per-device partial sums [D, *shape]. `mesh_shape` maps axis name -> size.
+
+    `finish` ({output index: fn}) transforms a partial output right where it is made (in the
+    same stage as its last contribution): `fn(value [D, *shape], axes) -> (value, axes or
+    None)`, e.g. a reduce-scatter over some of the axes every microbatch."""
     jaxpr = body.jaxpr
     region = _regions(jaxpr)
     users = _user_regions(jaxpr, region)
+    finish = finish or {}
+    finish_at: dict = {}
+    for j, v in enumerate(jaxpr.outvars):
+        if j in finish and _is_var(v):
+            finish_at.setdefault(v, []).append(j)
 
     def run(*args):
         env: dict = {}
+        finals: dict = {}
+
+        def on_output(o, x):
+            for j in finish_at.get(o, ()):
+                if x.partial is not None:
+                    val, axes = finish[j](x.val, x.partial)
+                    finals[j] = _V(val, None, axes)
+
         for i, (v, a) in enumerate(zip(jaxpr.invars, args)):
             row = mb_rows[i - n_consts] if i >= n_consts else None
             env[v] = _V(a, row)
         for v, c in zip(jaxpr.constvars, body.consts):
             env[v] = _V(c)
-        _eval_eqns(jaxpr.eqns, env, mesh_shape, region, users)
+        _eval_eqns(jaxpr.eqns, env, mesh_shape, region, users, on_output if finish_at else None)
         result = []
-        for v, op in zip(jaxpr.outvars, ops):
-            x = _read(env, v) if not isinstance(v, Literal) else _V(v.val)
+        for j, (v, op) in enumerate(zip(jaxpr.outvars, ops)):
+            x = finals.get(j) or (_read(env, v) if not isinstance(v, Literal) else _V(v.val))
             if x.partial is not None and not isinstance(op, Add):
                 x = _materialize(x)
             result.append(x)
@@ -180,13 +201,15 @@ def _user_regions(jaxpr, region) -> dict:
     return users
 
 
-def _eval_eqns(eqns, env, mesh_shape, region=None, users=None):
+def _eval_eqns(eqns, env, mesh_shape, region=None, users=None, on_output=None):
     for eqn in eqns:
         ins = [_read(env, v) for v in eqn.invars]
         name = eqn.primitive.name
         with eqn_source_context(eqn):
             if name in _INLINE and _INLINE[name] in eqn.params:
                 outs = _inline(eqn, ins, mesh_shape)
+            elif name == "scan":
+                outs = _scan(eqn, ins, mesh_shape)
             else:
                 outs = _apply(eqn, ins, mesh_shape)
         if region is not None:  # a partial read by another stage is reduced here, where made
@@ -197,6 +220,8 @@ def _eval_eqns(eqns, env, mesh_shape, region=None, users=None):
             ]
         for o, x in zip(eqn.outvars, outs):
             env[o] = x
+            if on_output is not None:
+                on_output(o, x)
 
 
 def _inline(eqn, ins, mesh_shape):
@@ -210,6 +235,138 @@ def _inline(eqn, ins, mesh_shape):
         env[v] = _V(c)
     _eval_eqns(inner.eqns, env, mesh_shape)
     return [_read(env, v) for v in inner.outvars]
+
+
+# ------------------------------------------------------------------ scans
+
+
+def _scan_body(closed, n_consts: int, flags: list, consts: list, carry: list, xs: list, mesh_shape):
+    """The scan body evaluated on `_V`s (partial carries per `flags`): its outputs as `_V`s."""
+    inner = closed.jaxpr
+    env: dict = {}
+    for v, c in zip(inner.constvars, closed.consts):
+        env[v] = _V(c)
+    k = n_consts + len(carry)
+    for i, v in enumerate(inner.invars):
+        if i < n_consts:
+            env[v] = consts[i]
+        elif i < k:
+            env[v] = carry[i - n_consts]
+        else:
+            env[v] = xs[i - k]
+    _eval_eqns(inner.eqns, env, mesh_shape)
+    return [_read(env, v) for v in inner.outvars]
+
+
+def _scan(eqn, ins, mesh_shape):
+    """A `scan` (a scanned layer stack, forward or backward) whose body sums over rows: the body
+    is evaluated like the loop body, so a per-layer weight gradient comes out of the backward
+    scan as a partial sum [D, ...] per trip, stacked [L, D, ...] and returned as [D, L, ...]
+    (a transpose, local to each device). A carry that comes out partial (a gradient summed over
+    trips) is carried partial from the start; inputs that are partial sums are read per trip
+    as such. No communication inside the loop for what is deferred."""
+    p = eqn.params
+    closed, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+    if not any(x.row is not None or x.partial is not None for x in ins):
+        return _apply(eqn, ins, mesh_shape)
+    consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+    x_rows = [
+        RowDim(x.row.dim - 1, x.row.axes) if x.row is not None and x.row.dim > 0 else None
+        for x in xs
+    ]
+
+    def inner_xs(vals):
+        return [_V(v, r, x.partial) for v, r, x in zip(vals, x_rows, xs)]
+
+    def inner_carry(vals, flags):
+        return [_V(v, None if f else x.row, f) for v, x, f in zip(vals, init, flags)]
+
+    def x_slice_aval(x):  # one trip's slice ([D, ...] for a partial stacked as [D, L, ...])
+        shape = x.val.shape[1:] if x.partial is None else (x.val.shape[0], *x.val.shape[2:])
+        return jax.ShapeDtypeStruct(shape, x.val.dtype)
+
+    def carry_aval(x, flag):
+        shape = tuple(x.val.shape)
+        if flag and x.partial is None:
+            shape = (_size(mesh_shape, flag), *shape)
+        return jax.ShapeDtypeStruct(shape, x.val.dtype)
+
+    # which carries are partial: those the body makes partial, until nothing changes
+    flags = [x.partial for x in init]
+    for _ in range(nk + 1):
+        probe: list = []
+
+        def probe_body(c_vals, c_carry, c_xs, flags=flags, probe=probe):
+            outs = _scan_body(
+                closed,
+                nc,
+                flags,
+                [_V(v, x.row, x.partial) for v, x in zip(c_vals, consts)],
+                inner_carry(c_carry, flags),
+                inner_xs(c_xs),
+                mesh_shape,
+            )
+            probe[:] = outs
+            return [o.val for o in outs]
+
+        jax.make_jaxpr(probe_body)(
+            [jax.ShapeDtypeStruct(x.val.shape, x.val.dtype) for x in consts],
+            [carry_aval(x, f) for x, f in zip(init, flags)],
+            [x_slice_aval(x) for x in xs],
+        )
+        out_flags = [o.partial for o in probe[:nk]]
+        merged = [f or o for f, o in zip(flags, out_flags)]
+        if any(f and o and f != o for f, o in zip(flags, out_flags)):
+            return _apply(eqn, [_materialize(x) for x in ins], mesh_shape)
+        if merged == flags:
+            break
+        flags = merged
+    else:  # pragma: no cover - each round adds a carry, so nk + 1 rounds always settle
+        return _apply(eqn, [_materialize(x) for x in ins], mesh_shape)
+    out_rows = [o.row for o in probe]
+    y_partial = [o.partial for o in probe[nk:]]
+    if not any(flags) and not any(y_partial) and not any(x.partial for x in ins):
+        # nothing deferred inside: the equation as it was, with the rows the body gives
+        outs = _bind(eqn, [x.val for x in ins])
+        rows = out_rows[:nk] + [
+            RowDim(r.dim + 1, r.axes) if r is not None else None for r in out_rows[nk:]
+        ]
+        return [_V(o, r) for o, r in zip(outs, rows)]
+
+    def body(carry, x_vals):
+        outs = _scan_body(
+            closed, nc, flags, consts, inner_carry(carry, flags), inner_xs(x_vals), mesh_shape
+        )
+        new_carry = [
+            _as_partial(o, f, mesh_shape).val if f else o.val for o, f in zip(outs[:nk], flags)
+        ]
+        return new_carry, [o.val for o in outs[nk:]]
+
+    init_vals = [_as_partial(x, f, mesh_shape).val if f else x.val for x, f in zip(init, flags)]
+    xs_vals = [x.val if x.partial is None else jnp.moveaxis(x.val, 0, 1) for x in xs]
+    carry_out, ys = lax.scan(
+        body,
+        init_vals,
+        xs_vals,
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
+    out = [_V(v, None if f else r, f) for v, f, r in zip(carry_out, flags, out_rows[:nk])]
+    for y, part, r in zip(ys, y_partial, out_rows[nk:]):
+        if part:
+            out.append(_V(jnp.moveaxis(y, 1, 0), None, part))
+        else:
+            out.append(_V(y, RowDim(r.dim + 1, r.axes) if r is not None else None))
+    return out
+
+
+def _as_partial(x: _V, axes, mesh_shape) -> _V:
+    """`x` as a partial sum over `axes`: itself if it is one, else its value in slice 0."""
+    if x.partial is not None:
+        return x
+    zeros = jnp.zeros((_size(mesh_shape, axes), *x.val.shape), x.val.dtype)
+    return _V(_add_to_first(zeros, x.val), None, axes)
 
 
 def _materialize(x: _V) -> _V:
@@ -437,85 +594,6 @@ def _apply_partial(eqn, ins):
         zero = isinstance(eqn.invars[1], Literal) and eqn.invars[1].val == 0
         return vmapped() if parts == [True, False] and zero else None
     return None
-
-
-def defer_step_reductions(jaxpr, in_specs: list, mpmd_mesh):
-    """(loop body, per-output partial axes or None) for the step `jaxpr`'s one `treduce`; the
-    original body and None when nothing is summed over sharded rows."""
-    from jaxpp_integration.compiler.placement import split_at_loop
-
-    before, loop_eqn, _ = split_at_loop(jaxpr)
-    p = loop_eqn.params
-    body = p["body"]
-    mb_rows = seed_rows(jaxpr, in_specs, before, loop_eqn.invars[p["n_consts"] :], p["axis"])
-    if not any(mb_rows):
-        return body, None
-    got = defer_reductions(body, p["n_consts"], mb_rows, p["ops"], dict(mpmd_mesh.jax_mesh.shape))
-    if not any(got.partial_axes):
-        return body, None
-    return got.body, got.partial_axes
-
-
-def gather_specs(jaxpr, in_specs: list) -> dict:
-    """`pipeline_fsdp_ag_once`: for each step input read by the loop whose spec uses an axis that
-    also splits the microbatches' rows (fsdp), the spec without those axes (what it is gathered
-    to once per step). Tensor-parallel axes stay sharded."""
-    from jaxpp_integration.compiler.placement import split_at_loop
-
-    before, loop_eqn, _ = split_at_loop(jaxpr)
-    p = loop_eqn.params
-    rows = seed_rows(jaxpr, in_specs, before, loop_eqn.invars[p["n_consts"] :], p["axis"])
-    row_axes = {a for r in rows if r is not None for a in r.axes}
-    spec_of = dict(zip(jaxpr.invars, in_specs))
-    out = {}
-    for v in loop_eqn.invars[: p["n_consts"]]:
-        spec = spec_of.get(v) if _is_var(v) else None
-        if spec is None:
-            continue
-        kept = []
-        for entry in tuple(spec):
-            names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-            rest = tuple(a for a in names if a not in row_axes)
-            kept.append(rest if len(rest) > 1 else (rest[0] if rest else None))
-        if kept != list(tuple(spec)):
-            out[v] = PartitionSpec(*kept)
-    return out
-
-
-def reduced_specs(jaxpr, in_specs: list, partial_axes: list) -> list:
-    """Per loop output kept partial over fsdp-like axes: the spec its once-per-step sum should
-    have (a reduce-scatter instead of an all-reduce), taken from the step input it meets first
-    in an after-loop equation of the same shape (the weight an optimizer updates with it, or
-    its moment); None where no such input uses those axes (left to XLA)."""
-    from jaxpp_integration.compiler.placement import split_at_loop
-
-    _, loop_eqn, after = split_at_loop(jaxpr)
-    spec_of = {v: sp for v, sp in zip(jaxpr.invars, in_specs) if tuple(sp)}
-    out = []
-    for v, axes in zip(loop_eqn.outvars, partial_axes):
-        found = None
-        if axes:
-            shape = tuple(v.aval.shape)
-            reach = {v}
-            for eqn in after:
-                if not any(_is_var(i) and i in reach for i in eqn.invars):
-                    continue
-                partner = [
-                    i
-                    for i in eqn.invars
-                    if _is_var(i) and i in spec_of and tuple(i.aval.shape) == shape
-                ]
-                if partner:
-                    found = spec_of[partner[0]]
-                    break
-                reach.update(o for o in eqn.outvars if tuple(o.aval.shape) == shape)
-        uses = found is not None and any(
-            a in axes
-            for entry in tuple(found)
-            for a in (entry if isinstance(entry, tuple) else (entry,))
-        )
-        out.append(found if uses else None)
-    return out
 
 
 def _is_var(v) -> bool:

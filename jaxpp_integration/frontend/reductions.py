@@ -18,8 +18,10 @@ class Add:
         return jnp.zeros(aval.shape, aval.dtype)
 
     def host_init(self, n: int, aval) -> np.ndarray:
-        """`init` computed on the host (no XLA compile)."""
-        return np.zeros(aval.shape, aval.dtype)
+        """`init` computed on the host (no XLA compile): a read-only view of one zero, so
+        building the program allocates nothing (an accumulator can be as large as the
+        unsharded gradient of a stage); each device's shard is made when it is placed."""
+        return _filled(aval.shape, aval.dtype, 0)
 
     def out_aval(self, n: int, aval):
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
@@ -45,7 +47,7 @@ class Concat:
 
     def host_init(self, n: int, aval) -> np.ndarray:
         out = self.out_aval(n, aval)
-        return np.zeros(out.shape, out.dtype)
+        return _filled(out.shape, out.dtype, 0)
 
     def update(self, acc, value, index):
         return lax.dynamic_update_index_in_dim(acc, jnp.asarray(value, acc.dtype), index, self.axis)
@@ -67,10 +69,15 @@ class Max:
         return jnp.full(aval.shape, self._fill(aval), aval.dtype)
 
     def host_init(self, n: int, aval) -> np.ndarray:
-        return np.full(aval.shape, self._fill(aval), aval.dtype)
+        return _filled(aval.shape, aval.dtype, self._fill(aval))
 
     def update(self, acc, value, index):
         return jnp.maximum(acc, value)
+
+
+def _filled(shape, dtype, value) -> np.ndarray:
+    """`shape` filled with `value`, as a read-only broadcast of one element (no memory)."""
+    return np.broadcast_to(np.asarray(value, dtype), tuple(shape))
 
 
 def _as_instance(op):

@@ -3,7 +3,8 @@
 One Python thread issues every instruction in program order; JAX's asynchronous dispatch lets
 groups run concurrently (a task waits only on its inputs). Transfers copy each shard to the
 target group's matching device (runs of consecutive transfers in one runtime call,
-`jax_compat.shard_copier`; `jax.device_put` when the layouts differ); runs of consecutive fills
+`jax_compat.shard_copier`; `jax.device_put` when the layouts differ); transfers to another
+process go by batches, one collective program each (`transfer.py`); runs of consecutive fills
 are one `jax.device_put`.
 
 Everything constant per compiled program is worked out once (`prepare` -> `Walk`): the
@@ -34,7 +35,7 @@ import jax
 
 from jaxpp_integration.compiler.program import Delete, Fill, Program, Run, Transfer
 from jaxpp_integration.jax_compat import same_shard_layout, shard_copier
-from jaxpp_integration.runtime.transfer import cross_process_transfer
+from jaxpp_integration.runtime.transfer import plan_cross_process
 from jaxpp_integration.tools import memory
 
 _RUN, _COPY, _CROSS, _FILL, _RELEASE = range(5)
@@ -66,6 +67,7 @@ class Walk:
     input_slots: tuple  # the step inputs this process holds
     slot_device_bytes: list  # per slot: ((device id, bytes), ...)
     mpmd_axis: str | None = None
+    cross_batches: dict = dataclasses.field(default_factory=dict)  # see `prepare`
     _memory: memory.MemoryReport | None = None
     _check_at: int | None = None
 
@@ -88,10 +90,18 @@ class Walk:
         return self._check_at
 
 
-def prepare(prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=None) -> Walk:
+def prepare(
+    prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=None, owners=None
+) -> Walk:
     """Puts the program's constants on this process's groups once and turns its instructions
-    into the ops `execute` walks (see the module docstring)."""
+    into the ops `execute` walks (see the module docstring). Several processes (`owners[r]`:
+    the process of group r): plans the batches of cross-process transfers
+    (`transfer.plan_cross_process`), which compiles their programs and allocates their receive
+    buffers; a batch runs at its first transfer."""
     local = frozenset(local_ranks)
+    cross = {}
+    if owners is not None and len(set(owners)) > 1:
+        cross = plan_cross_process(prog, slot_sharding, owners, local, mpmd_axis)
     input_slots = {s for slots in prog.inputs for r, s in slots.items() if r in local}
     caller_donated = input_slots  # an input the program deletes was donated by the caller
     ops: list = []
@@ -130,8 +140,8 @@ def prepare(prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=No
                 current = op
                 idx += len(batch)
                 continue
-            if src_here or dst_here:
-                op = Op(_CROSS, idx, (ins, src_here))
+            if (src_here or dst_here) and idx in cross:  # the later ones go with the first
+                op = Op(_CROSS, idx, cross[idx])
         elif isinstance(ins, Fill):
             if ins.rank in local:  # a run of consecutive local fills: one call
                 batch = [ins]
@@ -181,6 +191,7 @@ def prepare(prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=No
         tuple(sorted(input_slots)),
         memory.device_bytes(prog, slot_sharding),
         mpmd_axis,
+        cross,
     )
 
 
@@ -234,13 +245,18 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
             del moved
             for p in probes:
                 p.made(dsts, regs)
-        elif kind == _CROSS:
-            ins, src_here = op.args
-            regs[ins.dst] = _cross(
-                walk, op.index, ins, regs[ins.src] if src_here else None, watchdog
-            )
+        elif kind == _CROSS:  # one batch of transfers to or from another process
+            transfers, batch = op.args
+            received, issued = batch([regs[t.src] for t in transfers] if batch.sending else None)
+            if received is not None:
+                for t, v in zip(transfers, received):
+                    regs[t.dst] = v
+            del received
+            if watchdog is not None:
+                watchdog.watch(op.index, issued)
+            del issued
             for p in probes:
-                p.made((ins.dst,), regs)
+                p.made([t.dst for t in transfers], regs)
         elif kind == _FILL:
             slots, values, shardings = op.args
             # fresh buffers (on CPU one could alias host memory the program keeps, which the
@@ -285,19 +301,6 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
 
 def _device_put(shardings):
     return lambda values: jax.device_put(values, shardings)
-
-
-def _cross(walk: Walk, index: int, ins: Transfer, value, watchdog):
-    """A transfer between a local and a remote group: a collective both processes issue."""
-    sharding = walk.slot_sharding
-    return cross_process_transfer(
-        value,
-        sharding[ins.src],
-        sharding[ins.dst],
-        walk.prog.slot_aval[ins.dst],
-        walk.mpmd_axis,
-        on_issue=None if watchdog is None else lambda a: watchdog.watch(index, a),
-    )
 
 
 # ------------------------------------------------------------------------- device bytes

@@ -25,12 +25,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpp_integration.frontend.array import MpmdArray
 from jaxpp_integration.frontend.mesh import MpmdMesh
 from jaxpp_integration.jax_compat import shard_map
-from jaxpp_integration.runtime.transfer import stack_rows
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -130,3 +130,19 @@ def mpmd_to_spmd_reshard(tree):
         for i, y in zip(idx, program(*stacked)):
             out[i] = y
     return jax.tree.unflatten(treedef, out)
+
+
+def stack_rows(shape, sharding: NamedSharding, value, dtype) -> jax.Array:
+    """A global `shape` = (rows, *value.shape) array over `sharding` (rows split over the
+    pipeline axis), built from this process's devices only: on devices where `value` (a
+    `jax.Array` or None) has a shard, that shard as a row; zeros on the others. (Host zeros: a
+    checkpoint-time path, unlike the step's transfers in `transfer.py`.)"""
+    local = {s.device: s.data for s in value.addressable_shards} if value is not None else {}
+    shards = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        if device in local:
+            shards.append(local[device][None])
+        else:
+            block = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
+            shards.append(jax.device_put(np.zeros(block, dtype), device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)

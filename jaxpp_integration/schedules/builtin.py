@@ -56,6 +56,7 @@ __all__ = [
     "ScheduledItem",
     "StageId",
     "SCHEDULE_NAMES",
+    "STAGES_PER_RANK",
     "Std1F1B",
     "Task",
     "UserSchedule",
@@ -110,6 +111,11 @@ class Schedule(abc.ABC):
             self.split_backward,
             self.stage_to_rank,
         )
+
+    def microbatch_rule(self) -> tuple[int, int]:
+        """(multiple, minimum): ``tasks(n)`` accepts n microbatches when n is a multiple of
+        ``multiple`` and at least ``minimum`` (the trainer's config checks the same rule)."""
+        return 1, 1
 
     def _check_stage(self, stage: StageId) -> None:
         if not 0 <= stage < self.num_stages:
@@ -289,13 +295,16 @@ class Interleaved1F1B(Schedule):
     def tasks(self, n_microbatches: int) -> list[list[Item]]:
         self._check_microbatches(n_microbatches)
         p, v, m = self.mpmd_dim, self.virtual_stages, n_microbatches
-        if m % p:
+        if m % self.microbatch_rule()[0]:
             raise ScheduleError(
                 f"{self!r}.tasks({m}): the number of microbatches must be a multiple of "
                 f"mpmd_dim={p}; use {p * max(1, round(m / p))}"
             )
         fuse = "all" if self.fuse_steady_state else "last"
         return [_one_f_one_b(r, p, v, m, (v - 1) * p + 2 * (p - 1 - r), fuse) for r in range(p)]
+
+    def microbatch_rule(self) -> tuple[int, int]:
+        return self.mpmd_dim, 1
 
     def __repr__(self) -> str:
         extra = ", fuse_steady_state=True" if self.fuse_steady_state else ""
@@ -394,10 +403,13 @@ class DualPipeV(Schedule):
         self._check_stage(stage)
         return stage if stage < self.mpmd_dim else 2 * self.mpmd_dim - 1 - stage
 
+    def microbatch_rule(self) -> tuple[int, int]:
+        return 1, 2 * self.mpmd_dim
+
     def tasks(self, n_microbatches: int) -> list[list[Item]]:
         self._check_microbatches(n_microbatches)
         p, m = self.mpmd_dim, n_microbatches
-        if m < 2 * p:
+        if m < self.microbatch_rule()[1]:
             raise ScheduleError(
                 f"{self!r}.tasks({m}): DualPipeV needs at least 2 * mpmd_dim = {2 * p} "
                 f"microbatches; use n_microbatches >= {2 * p}"
@@ -567,7 +579,16 @@ class UserSchedule(Schedule):
         return [list(row) for row in self._source]
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
+# Stages each rank holds, by config name (None: any number, the same on every rank).
+STAGES_PER_RANK: dict[str, int | None] = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "eager_1f1b": 1,
+    "interleaved_1f1b": None,
+    "zero_bubble": 1,
+    "dualpipev": 2,
+}
+SCHEDULE_NAMES = tuple(STAGES_PER_RANK)
 
 
 def schedule_from_name(name: str, num_stages: int, mpmd_dim: int) -> Schedule:
@@ -580,7 +601,7 @@ def schedule_from_name(name: str, num_stages: int, mpmd_dim: int) -> Schedule:
     if key == "interleaved_1f1b":
         return Interleaved1F1B(num_stages, mpmd_dim)
     if key == "dualpipev":
-        if num_stages != 2 * mpmd_dim:
+        if num_stages != STAGES_PER_RANK[key] * mpmd_dim:
             raise ScheduleError(
                 f"schedule 'dualpipev' places 2 stages per rank, so num_stages ({num_stages}) "
                 f"must be 2 * mpmd_dim ({2 * mpmd_dim})"

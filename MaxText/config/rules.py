@@ -1,0 +1,134 @@
+"""The rules between keys, and the values derived from them (each key alone is checked by the
+constraints declared on its `Config` field in `loader.py`).
+
+`derive(values)` runs them in order on the checked keys and adds the derived fields: MaxText's
+parameter scale, processes, model shape, data, the "auto" defaults, then — unless the devices are
+still pending (a -1 ici axis, or processes the launcher will tell) — the mesh (`mesh.py`) and the
+pipeline and batch (`pipeline.py`), then the optimizer schedule, generation and output paths.
+Every failure is a `ConfigError` naming the keys and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from MaxText.config.maxtext_compat import apply_parameter_scale
+from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, derive_mesh, filled_axis
+from MaxText.config.pipeline import auto_defaults, derive_pipeline
+from MaxText.errors import ConfigError
+
+
+def processes_pending(v: Mapping[str, Any]) -> bool:
+    """The launcher (srun, mpirun) tells the processes: `num_processes=-1`, or
+    `hardware=gpu_multiprocess` without `coordinator_address`."""
+    gpu_cluster = v["hardware"] == "gpu_multiprocess" and not v["coordinator_address"]
+    return v["num_processes"] == -1 or gpu_cluster
+
+
+def axes_pending(v: Mapping[str, Any]) -> bool:
+    """An ici axis is -1: it takes the devices the others leave (needs the device count)."""
+    return any(v[k] == -1 for k in PARALLELISM_KEYS)
+
+
+def derive(v: dict[str, Any]) -> None:
+    apply_parameter_scale(v)
+    _processes(v)
+    _model_shape(v)
+    _data(v)
+    _attention(v)
+    auto_defaults(v)
+    filled_axis({k: v[k] for k in PARALLELISM_KEYS})
+    filled_axis({k: v[k] for k in DCN_KEYS})
+    if not (processes_pending(v) or axes_pending(v)):
+        derive_mesh(v)
+        derive_pipeline(v)
+
+    if v["learning_rate_schedule_steps"] == -1:
+        v["learning_rate_schedule_steps"] = v["steps"]
+    if v["max_prefill_predict_length"] >= v["max_predict_length"]:
+        raise ConfigError(
+            f"max_prefill_predict_length={v['max_prefill_predict_length']} must be less than "
+            f"max_predict_length={v['max_predict_length']}"
+        )
+    if "/" in v["run_name"]:
+        raise ConfigError(f"run_name={v['run_name']} must not contain '/'")
+    v["output_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
+    v["metrics_file"] = v["metrics_file"] or os.path.join(v["output_dir"], "metrics.jsonl")
+    if v["init_weights_seed"] == -1:
+        v["init_weights_seed"] = v["seed"]
+    v["mu_dtype"] = v["mu_dtype"] or v["weight_dtype"]
+
+
+def _processes(v: dict[str, Any]) -> None:
+    n, coordinator = v["num_processes"], v["coordinator_address"]
+    if v["hardware"] == "gpu_multiprocess" and coordinator and n == 1:
+        raise ConfigError(
+            "hardware=gpu_multiprocess with coordinator_address= needs num_processes=N "
+            "(or -1: the launcher's, srun or mpirun)"
+        )
+    if n > 1 and not coordinator:
+        raise ConfigError(f"num_processes={n} needs coordinator_address=host:port")
+    if n != -1 and v["process_id"] >= n:
+        raise ConfigError(f"process_id={v['process_id']} must be < num_processes={n}")
+
+
+def _model_shape(v: dict[str, Any]) -> None:
+    if v["head_dim"] == 0:
+        if v["emb_dim"] % v["num_query_heads"]:
+            raise ConfigError(
+                f"head_dim=0 means emb_dim / num_query_heads, but emb_dim={v['emb_dim']} is not "
+                f"divisible by num_query_heads={v['num_query_heads']}; set head_dim explicitly"
+            )
+        v["head_dim"] = v["emb_dim"] // v["num_query_heads"]
+    if v["num_query_heads"] % v["num_kv_heads"]:
+        raise ConfigError(
+            f"num_query_heads={v['num_query_heads']} must be a multiple of "
+            f"num_kv_heads={v['num_kv_heads']} (grouped-query attention)"
+        )
+    low, high = v["rope_low_freq_factor"], v["rope_high_freq_factor"]
+    if v["rope_type"] == "llama3.1" and not low < high:
+        raise ConfigError(
+            f"rope_low_freq_factor={low} and rope_high_freq_factor={high}: need 0 < low < high"
+        )
+
+
+def _attention(v: dict[str, Any]) -> None:
+    """cudnn_flash's dtype and packed rows (whether it has a GPU: `devices.setup`)."""
+    if v["attention"] == "cudnn_flash" and v["dtype"] == "float32":
+        raise ConfigError(
+            "attention=cudnn_flash needs dtype=bfloat16 or float16 (cuDNN flash attention has no "
+            "float32 kernel); set dtype=bfloat16, or keep float32 with attention=chunked"
+        )
+    if v["attention"] == "cudnn_flash" and v["dataset_type"] == "grain" and v["packing"]:
+        raise ConfigError(
+            "attention=cudnn_flash cannot keep packed documents apart (JAX's public API has no "
+            "segment ids for it; a [L, L] mask would become a dense bias); use attention=chunked "
+            "with packing, or packing=false"
+        )
+
+
+def _data(v: dict[str, Any]) -> None:
+    if v["tokenizer_type"] == "huggingface" and not v["tokenizer_path"]:
+        raise ConfigError(
+            "tokenizer_type=huggingface needs tokenizer_path= (a tokenizer.json file, or the "
+            "Hugging Face folder holding it)"
+        )
+    if v["dataset_type"] == "grain" and not v["grain_train_files"]:
+        raise ConfigError(
+            "dataset_type=grain needs grain_train_files= (a glob of *.array_record shards written "
+            "by python -m MaxText.data.prepare)"
+        )
+    if v["dataset_type"] == "grain" and v["eval_interval"] > 0 and not v["grain_eval_files"]:
+        raise ConfigError(
+            f"eval_interval={v['eval_interval']} needs held-out data: set grain_eval_files= (e.g. "
+            "the eval-*.array_record of prepare --eval_fraction) or eval_interval=0"
+        )
+    if not v["train_split"]:
+        raise ConfigError("train_split= must name a split (MaxText's default: train)")
+    if not v["packing"] and v["dataset_type"] in ("text", "tfds"):
+        raise ConfigError(
+            f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
+            "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )

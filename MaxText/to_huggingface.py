@@ -1,0 +1,35 @@
+"""Export a checkpoint as a Hugging Face Llama folder (config.json, safetensors, tokenizer).
+
+    python -m MaxText.to_huggingface configs/base.yml load_parameters_path=CKPT hf_output_path=DIR \
+        [hf_output_dtype=bfloat16|float32] [hf_max_shard_mb=5000]
+    python -m MaxText.to_huggingface configs/base.yml run_name=<run> hf_output_path=DIR
+
+CKPT: a converted `OUT/0/items` (or `OUT`), a run folder, its checkpoints folder or one step's
+folder; with `run_name=` the run's newest checkpoint. The model keys come from the checkpoint.
+Streams one layer at a time. How: `MaxText/convert/exporter.py`. Exit code 2 with one line for a
+config error.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str]) -> int:
+    from MaxText.errors import UserError
+    from MaxText.metrics import setup_logging
+
+    setup_logging()
+    from MaxText.convert import exporter
+
+    try:
+        exporter.export(exporter.export_config(argv))
+    except UserError as e:
+        print(f"{e.prefix}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

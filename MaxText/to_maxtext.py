@@ -1,0 +1,35 @@
+"""Convert a Hugging Face Llama checkpoint into a parameters checkpoint for `load_parameters_path`.
+
+    python -m MaxText.to_maxtext configs/base.yml [model_name=<preset>] hf_model_path=DIR \
+        base_output_directory=OUT [weight_dtype=float32|bfloat16]
+
+Writes `OUT/0/items` (and `OUT/0/config`, the model keys), streaming one tensor at a time; then
+`python train.py configs/base.yml load_parameters_path=OUT/0/items ...` trains from it in any
+layout. How: `MaxText/convert/importer.py`. Exit code 2 with one line for anything it cannot
+convert (another architecture, a missing tensor, shapes that do not match `model_name=`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str]) -> int:
+    from MaxText.errors import UserError
+    from MaxText.metrics import setup_logging
+
+    setup_logging()
+    from MaxText.convert import importer
+
+    try:
+        config, folder = importer.import_config(argv)
+        importer.convert(config, folder)
+    except UserError as e:
+        print(f"{e.prefix}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

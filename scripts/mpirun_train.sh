@@ -1,0 +1,31 @@
+#!/bin/bash
+# Train with Open MPI: one process per host, each owning every GPU of its host (a pipeline group
+# lives inside one process). Run from the repository on the first host:
+#
+#   HOSTS=node1,node2 scripts/mpirun_train.sh [key=value ...]
+#
+# The line it runs, for two hosts:
+#   mpirun -np 2 --host node1,node2 --npernode 1 --bind-to none -x PATH -x LD_LIBRARY_PATH \
+#       python train.py configs/base.yml hardware=gpu_multiprocess num_processes=-1 \
+#       coordinator_address=node1:12355 dcn_pipeline_parallelism=2 ici_fsdp_parallelism=-1 ...
+#
+# num_processes=-1: the process count and this process's rank come from mpirun
+# (OMPI_COMM_WORLD_SIZE / _RANK). coordinator_address names process 0's host and a free port:
+# Open MPI 5 does not export where it runs (Open MPI 4 does, and the key may then be left out).
+# See the README, "Running on a GPU cluster".
+set -euo pipefail
+HOSTS="${HOSTS:?set HOSTS=node1,node2,... (one process per host)}"
+FIRST="${HOSTS%%,*}"
+N=$(tr ',' '\n' <<<"$HOSTS" | grep -c .)
+
+exec mpirun -np "$N" --host "$HOSTS" --npernode 1 --bind-to none \
+    -x PATH -x LD_LIBRARY_PATH \
+    python train.py configs/base.yml \
+    hardware=gpu_multiprocess \
+    num_processes=-1 \
+    coordinator_address="${FIRST}:${PORT:-12355}" \
+    dcn_pipeline_parallelism="$N" \
+    ici_fsdp_parallelism=-1 \
+    model_name=gpt3-1.3b \
+    base_output_directory="${OUTPUT_DIR:-$PWD/outputs}" \
+    "$@"

@@ -1,0 +1,63 @@
+"""Every task program of the trainer lowers for CUDA on this CPU host (#25 item 5).
+
+The pipelined trainer (tiny, bfloat16, pipeline_parallelism=2 x ici_fsdp_parallelism=2, default
+keys otherwise: scanned layers, gradient_reduction=step) is built and compiled for CPU as usual;
+then each distinct program of its train step and of its evaluation step is lowered again with
+`lowering_platforms=("cuda",)` (`jaxpp_integration.compiler.compile.task_programs`). Lowering is
+where a construct with no CUDA lowering (a CPU-only custom call, a primitive without a GPU rule)
+fails; it stops there, since XLA:CPU would compile a CUDA-lowered module without complaint.
+`attention=cudnn_flash` needs the CUDA plugin to trace, so it is not lowered here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxpp_integration.compiler.compile import task_programs
+from MaxText import sharding
+from MaxText.config import CONFIGS_DIR, load_config
+from MaxText.train_step import batch_keys, build_trainer
+
+KEYS = [
+    "dtype=bfloat16",
+    "pipeline_parallelism=2",
+    "ici_fsdp_parallelism=2",
+    "max_target_length=64",
+    "attention_block_size=32",  # chunked: two key blocks per row
+    "dataset_type=synthetic",
+    "enable_checkpointing=false",
+]
+# Distinct programs, as listed on this tree: train step = before_loop_{0,1}, fwd_{0,1}, bwd_0,
+# bwd_1 twice (the first microbatch's writes fresh accumulators), reduce_{0,1} (the once-per-step
+# gradient sums) and two optimizer pieces per group (after_loop_{0,1}_{0,1}); evaluation =
+# before_loop_{0,1}, fwd_{0,1} and the last group's reduce_1.
+PROGRAMS = {"train": 13, "eval": 5}
+
+
+@pytest.fixture(scope="module", params=["dot_product", "chunked"])
+def compiled_steps(request):
+    config = load_config([str(CONFIGS_DIR / "base.yml"), *KEYS, f"attention={request.param}"])
+    trainer = build_trainer(config, sharding.make_mesh(config, jax.devices()[:4]))
+    shape = (config.global_batch_size, config.max_target_length)
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "targets_mask" else jnp.int32)
+        for k in batch_keys(config)
+    }
+    with sharding.axis_rules():  # as the trainer traces its evaluation step
+        evaluation = trainer.eval_step.pipelined.compile(trainer.abstract_state["params"], batch)
+    return {"train": trainer.train_step, "eval": evaluation}
+
+
+@pytest.mark.parametrize("step", ["train", "eval"])
+def test_every_task_program_lowers_for_cuda(compiled_steps, step):
+    compiled = compiled_steps[step]
+    programs = task_programs(compiled.program, compiled.mpmd_mesh, compiled.slot_sharding)
+    assert len(programs) == PROGRAMS[step]
+    assert len(programs) == compiled.compile_stats.compiles  # the programs XLA:CPU compiled
+    assert {p.rank for p in programs} == {0, 1}
+    for p in programs:
+        lowered = p.fn.trace(*p.args).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "func.func public @main" in text, p.name
