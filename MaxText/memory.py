@@ -91,6 +91,8 @@ def step_memory(train_step) -> XlaMemory | list[GroupMemory] | None:
         return XlaMemory.of(train_step) if hasattr(train_step, "memory_analysis") else None
     per_group: dict[int, dict[str, tuple[str, XlaMemory]]] = {}
     for t in report().tasks:
+        if t.group not in train_step.local_ranks:  # compiled by another process
+            continue
         tasks = per_group.setdefault(t.group, {})
         if t.program not in tasks:
             mem = XlaMemory(t.argument_bytes, t.output_bytes, t.alias_bytes, t.temp_bytes)

@@ -59,6 +59,7 @@ class TaskReport:
     group: int
     microbatch: int | None  # loop tasks
     devices: int  # devices of the group, which all run the task (SPMD)
+    # XLA's analyses: zeros for a task of another process's group (compiled there only)
     flops: float  # per device, XLA's cost analysis
     bytes_accessed: float  # per device, XLA's cost analysis
     matmul_flops: float  # whole group: 2*M*N*K of its dot_generals, scan bodies per trip
@@ -169,9 +170,9 @@ def build_report(prog: Program, executables: dict, slot_sharding: dict, mesh, sc
         if isinstance(ins, Run):
             counts["run"] += 1
             code = ins.code
-            exe = executables[idx]
+            exe = executables.get(idx)  # None: another process's group compiled it
             if id(exe) not in costs:
-                costs[id(exe)] = xla_costs(exe)
+                costs[id(exe)] = xla_costs(exe) if exe is not None else _NOT_HERE
             if id(code) not in flops_of:
                 flops_of[id(code)] = matmul_flops(code.eqns)
             c = costs[id(exe)]
@@ -257,6 +258,9 @@ def build_report(prog: Program, executables: dict, slot_sharding: dict, mesh, sc
         _program=prog,
         _shard_bytes=shard,
     )
+
+
+_NOT_HERE = XlaCosts(0.0, 0.0, 0, 0, 0, 0)
 
 
 def xla_costs(executable) -> XlaCosts:
