@@ -302,10 +302,10 @@ def bench_dispatch(cfg, steps, warmup, repeats=REPEATS):
     step_s = statistics.median(step_times)
     walk_s = statistics.median(walk_times)
 
-    # breakdown of the walk: time inside task executables and inside transfers, for a separate
-    # set of steps whose walk is prepared again with timed executables and timed copies (the
-    # runtime builds its copy calls with `shard_copier`, or `jax.device_put` where layouts
-    # differ); the rest is releases + bookkeeping
+    # breakdown of the walk: time inside task executables (wrapped in `compiled.executables`)
+    # and inside transfers (the walk prepared again with timed copies: the runtime builds its
+    # copy calls with `shard_copier`, or `jax.device_put` where layouts differ), for a separate
+    # set of steps; the rest is releases + bookkeeping
     breakdown = {"run": [], "transfer": [], "walk": []}
     acc = {"run": 0.0, "transfer": 0.0}
 
@@ -320,13 +320,12 @@ def bench_dispatch(cfg, steps, warmup, repeats=REPEATS):
         return call
 
     real_walk, real_copier = compiled.walk, runtime_mod.shard_copier
+    real_exes = dict(compiled.executables)
     runtime_mod.shard_copier = lambda shardings: timed(real_copier(shardings), "transfer")
     try:
+        compiled.executables.update({i: timed(e, "run") for i, e in real_exes.items()})
         compiled.walk = runtime_mod.prepare(
-            compiled.program,
-            {i: timed(e, "run") for i, e in compiled.executables.items()},
-            compiled.slot_sharding,
-            compiled.local_ranks,
+            compiled.program, compiled.executables, compiled.slot_sharding, compiled.local_ranks
         )
         with Timed(jaxpp_api, "execute") as walk2:
             for _ in range(max(10, steps // 2)):
@@ -337,6 +336,7 @@ def bench_dispatch(cfg, steps, warmup, repeats=REPEATS):
         breakdown["walk"] = walk2.times
     finally:
         compiled.walk = real_walk
+        compiled.executables.update(real_exes)
         runtime_mod.shard_copier = real_copier
     # the step whose walk time is the median, so that its parts add up
     mid = sorted(range(len(breakdown["walk"])), key=breakdown["walk"].__getitem__)[

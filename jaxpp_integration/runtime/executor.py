@@ -60,6 +60,7 @@ class Walk:
     """What `execute` needs of one compiled program on this process, computed once."""
 
     prog: Program
+    executables: dict  # instruction index -> executable (the compiled function's own dict)
     ops: list
     constants: dict  # slot -> array on its group's devices
     slot_sharding: dict
@@ -113,7 +114,7 @@ def prepare(
         op = None
         if isinstance(ins, Run):
             if ins.code.rank in local:
-                op = Op(_RUN, idx, (executables[idx], ins.ins, ins.outs, ins.donate, ins))
+                op = Op(_RUN, idx, (ins.ins, ins.outs, ins.donate, ins))
         elif isinstance(ins, Transfer):
             src_here, dst_here = ins.src_rank in local, ins.dst_rank in local
             if src_here and dst_here:  # a run of consecutive local transfers: one call
@@ -184,6 +185,7 @@ def prepare(
     }
     return Walk(
         prog,
+        executables,
         ops,
         constants,
         slot_sharding,
@@ -203,7 +205,7 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
     remote group is a collective both processes issue in program order. A `watchdog` (several
     processes, `pipeline_hang_timeout_s`) is told each op as it is dispatched and is handed
     every cross-process transfer's result. `probe` (a `DeviceBytes`) measures device bytes."""
-    prog = walk.prog
+    prog, executables = walk.prog, walk.executables
     regs: list = [None] * len(prog.slot_rank)
     for s, v in inputs.items():
         regs[s] = v
@@ -220,7 +222,8 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
         if watchdog is not None:
             watchdog.enter(op.index)
         if kind == _RUN:
-            exe, ins, outs, donate, run = op.args
+            ins, outs, donate, run = op.args
+            exe = executables[op.index]
             if record_times:
                 t0 = time.perf_counter()
                 res = exe(*[regs[s] for s in ins])
