@@ -6,7 +6,7 @@ data-parallel sums wait for one reduction per step and defer them (`compiler.red
 `compiler.unreduced`) → cluster the loop body
 (`compiler.partition`) → place work outside the loop (`compiler.placement`) → unroll, order by
 schedule, transfers (`compiler.program.build_program`) → in-place update and deletes
-(`program.donate_at_last_use`, `program.add_deletes`) → compile per group (`compiler.compile`) →
+(`compiler.lifetimes`) → compile per group (`compiler.compile`) →
 prepare the walk (`runtime.executor.prepare`) → run (`runtime.executor.execute`).
 `compiled.report()` describes the result (`tools.report`).
 """
@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpp_integration.compiler import lifetimes as _lifetimes
 from jaxpp_integration.compiler import partition as _partition
 from jaxpp_integration.compiler import placement as _placement
 from jaxpp_integration.compiler import program as _program
@@ -490,8 +491,8 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         )
     )
     donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in opts.donate_argnums}
-    prog = _program.donate_at_last_use(prog, donated)
-    prog = _program.add_deletes(prog, donated)
+    prog = _lifetimes.donate_at_last_use(prog, donated)
+    prog = _lifetimes.add_deletes(prog, donated)
 
     input_specs = specs + [PartitionSpec()] * len(closed.consts)
     input_shardings = {}
