@@ -268,3 +268,32 @@ def test_scan_counts_every_layer():
         config = _config("pipeline_parallelism=2", f"scan_layers={scanned}", "emb_dim=256")
         times[scanned] = plan_auto.make_plan(config, hardware).predicted["step_time_s"]
     assert abs(times["true"] / times["false"] - 1) < 0.10, times
+
+
+def test_suggestions_never_ask_for_more_stages_than_layers():
+    """A group whose state does not fit: more pipeline stages are suggested only while a stage
+    can still get a layer of its own; otherwise fsdp alone (no compile: plans built by hand)."""
+
+    def problem(stage_layers, num_layers):
+        g = cost_model.GroupPlan(0, 600, 1200, 600, 10, 10, 2420)  # state 2400 B of 1000 B
+        p = cost_model.Plan(
+            fits=False,
+            hardware="h100",
+            stage_layers=stage_layers,
+            schedule="1f1b",
+            num_microbatches=4,
+            groups=[g],
+            predicted={},
+            memory_bytes=1000,
+            num_layers=num_layers,
+        )
+        (line,) = p.problems()
+        return line.split(" (try ", 1)[1]
+
+    assert problem([2, 2], 4) == (
+        "more pipeline stages (pipeline_parallelism; at most 4 stages, one layer each) or "
+        "ici_fsdp_parallelism)"
+    )
+    every_layer_a_stage = "ici_fsdp_parallelism (every stage already holds one of the 4 layers))"
+    assert problem([1, 1, 1, 1], 4) == every_layer_a_stage
+    assert problem([], 1) == "ici_fsdp_parallelism (every stage already holds one of the 1 layers))"

@@ -73,6 +73,7 @@ class Plan:
     gradient_reduction: str = "step"
     task_seconds: dict = dataclasses.field(default_factory=dict)  # (Phase, stage) -> s
     transfer_s: float = 0.0  # one stage boundary crossing (activation or cotangent)
+    num_layers: int = 0  # decoder layers: a stage holds at least one, so stages <= layers
     gradients: dict | None = None  # `gradient_communication` of the compiled step
 
     def as_json(self) -> dict[str, Any]:
@@ -108,9 +109,16 @@ def _suggestion(g: GroupPlan, plan: Plan) -> str:
             f"gradient_reduction=microbatch accumulates gradients sharded like the parameters "
             f"({format_bytes(g.grad_bytes)} -> about {format_bytes(g.params_bytes)})"
         )
+    stages = len(plan.stage_layers) or 1
+    more_stages = (
+        f"more pipeline stages (pipeline_parallelism; at most {plan.num_layers} stages, one "
+        f"layer each) or ici_fsdp_parallelism"
+        if stages < plan.num_layers
+        else f"ici_fsdp_parallelism (every stage already holds one of the {plan.num_layers} layers)"
+    )
     state = g.params_bytes + g.optimizer_bytes + g.grad_bytes
     if state > plan.memory_bytes / 2:
-        tips.append("more pipeline stages (pipeline_parallelism) or ici_fsdp_parallelism")
+        tips.append(more_stages)
     if g.activation_bytes + g.temp_bytes > g.peak_bytes / 3:
         remat = "remat_policy=auto or full, " if set(plan.stage_remat) != {"full"} else ""
         tips.append(
@@ -118,7 +126,7 @@ def _suggestion(g: GroupPlan, plan: Plan) -> str:
             f"per_device_batch_size (activations {format_bytes(g.activation_bytes)}, temporaries "
             f"{format_bytes(g.temp_bytes)})"
         )
-    return f" (try {'; '.join(tips)})" if tips else " (try more pipeline stages or fsdp)"
+    return f" (try {'; '.join(tips or [more_stages])})"
 
 
 # ---------------------------------------------------------------------------------- building
@@ -462,6 +470,7 @@ def _finish(config, hardware, groups, schedule, step_time, bubble) -> Plan:
         memory_bytes=hardware.memory_bytes,
         stage_remat=tuple(config.stage_remat),
         gradient_reduction=config.gradient_reduction,
+        num_layers=config.num_decoder_layers,
     )
 
 
