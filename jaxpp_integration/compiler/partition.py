@@ -271,7 +271,3 @@ def _split_backward(clusters, outvars):
         out[(stage, Phase.BWD_I)] = [e for e, f in zip(eqns, in_i) if f]
         out[(stage, Phase.BWD_W)] = [e for e, f in zip(eqns, in_i) if not f]
     return out
-
-
-def is_literal(v) -> bool:
-    return isinstance(v, Literal)
