@@ -40,6 +40,7 @@ from MaxText import exit_codes
 from MaxText.checkpoint import manager as checkpointing
 from MaxText.cluster import devices, xla_flags
 from MaxText.config import ALIASES, Config, ConfigError, load_config
+from MaxText.config.checkpoint_keys import MODEL_KEYS
 from MaxText.model import Decoder, init_cache
 
 log = logging.getLogger("MaxText")
@@ -47,15 +48,8 @@ log = logging.getLogger("MaxText")
 # Keys read from the checkpoint's saved config: the model's shape and what builds its tokenizer.
 SAVED_KEYS = (
     "model_name",
-    *checkpointing.MODEL_KEYS,
+    *MODEL_KEYS,
     "weight_dtype",
-    "normalization_layer_epsilon",
-    "rope_max_timescale",
-    "rope_type",
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
     "max_target_length",
     "dataset_type",
     "dataset_path",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -24,31 +23,22 @@ import time
 from pathlib import Path
 
 import pytest
+from grain_corpus import prepare_shards
 from small_model import SMALL_MODEL_SHAPE, merged
 
 from MaxText.checkpoint import integrity
 from MaxText.config import CONFIGS_DIR
-from MaxText.data import prepare as prepare_lib
 from MaxText.train import main
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = SMALL_MODEL_SHAPE  # the default layout: scanned layers
-WORDS = "thou art the fairest rose in all of verona and yet my lord doth speak".split()
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    base = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(3)
-    (base / "corpus").mkdir()
-    with (base / "corpus" / "docs.jsonl").open("w") as f:
-        for _ in range(300):
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
-            f.write(json.dumps({"text": text}) + "\n")
-    prepare_lib.prepare(str(base / "corpus"), str(base / "shards"), vocab_size=320, quiet=True)
-    return base / "shards"
+    return prepare_shards(tmp_path_factory.mktemp("corpus"), seed=3)
 
 
 def argv(shards: Path, base: Path, *overrides: str) -> list[str]:

@@ -81,8 +81,7 @@ from MaxText.checkpoint.integrity import (
 )
 from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for
 from MaxText.checkpoint.pending_save import PendingSave, quiet_abandoned_writes
-from MaxText.checkpoint.restore import (  # noqa: F401 (MODEL_KEYS: part of this module's interface)
-    MODEL_KEYS,
+from MaxText.checkpoint.restore import (
     Restored,
     check_model,
     restore_latest,

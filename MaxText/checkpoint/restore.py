@@ -42,22 +42,10 @@ from MaxText.checkpoint.integrity import (
 )
 from MaxText.checkpoint.layout import restore_args
 from MaxText.config import Config, ConfigError
+from MaxText.config.checkpoint_keys import SHAPE_KEYS
 from MaxText.errors import CheckpointError, UserError
 
 log = logging.getLogger(__name__)
-
-# Keys that fix the shapes of the saved arrays: a checkpoint restores only into the same model.
-MODEL_KEYS = (
-    "decoder_block",
-    "num_decoder_layers",
-    "emb_dim",
-    "num_query_heads",
-    "num_kv_heads",
-    "head_dim",
-    "mlp_dim",
-    "vocab_size",
-    "logits_via_embedding",
-)
 
 
 @dataclasses.dataclass
@@ -171,7 +159,7 @@ def check_model(saved: dict, config: Config, step_dir: Path) -> None:
         )
     wrong = [
         f"{k}={saved.get(k)!r} in the checkpoint vs {getattr(config, k)!r} now"
-        for k in MODEL_KEYS
+        for k in SHAPE_KEYS
         if saved.get(k) != getattr(config, k)
     ]
     if wrong:
