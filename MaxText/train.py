@@ -315,7 +315,6 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
     try:
         config = load_config(argv)
         debug = config.debug_tracebacks
-        check_run_paths(config)  # before anything is compiled
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
         gpu_host.check_backend(
@@ -325,6 +324,9 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
         )
         stops.cluster_started()  # several processes: JAX's preemption notifier takes SIGTERM
         data = _make_data(config)
+        # Creates the run's folders: after every config, device and data check (a refused run
+        # leaves nothing behind) and before anything is compiled.
+        check_run_paths(config)
     except Exception as e:
         code = exit_codes.report(e, debug=debug)
         if code is None:

@@ -57,20 +57,29 @@ def pipelined(tmp_path_factory):
     return build_trainer(config, sharding.make_mesh(config, devs))
 
 
-def _instrumented(trainer, events: list, nan_at: int | None = None):
-    """The trainer with its step recording `d<step>` at each dispatch (and a NaN loss at step
-    `nan_at`); every metrics dict carries its step for the fetch to record `f<step>`."""
-    real = trainer.train_step
+class _RecordingStep:
+    """The compiled step, recording `d<step>` at each dispatch (and a NaN loss at step `nan_at`);
+    every metrics dict carries its step for the fetch to record `f<step>`. Other attributes (the
+    first step's `last_device_bytes`) are the compiled step's."""
 
-    def train_step(state, batch, **kwargs):
-        state, metrics = real(state, batch, **kwargs)
-        step = len([e for e in events if e.startswith("d")]) + 1
-        events.append(f"d{step}")
-        if step == nan_at:
+    def __init__(self, real, events: list, nan_at: int | None):
+        self.real, self.events, self.nan_at = real, events, nan_at
+
+    def __call__(self, state, batch, **kwargs):
+        state, metrics = self.real(state, batch, **kwargs)
+        step = len([e for e in self.events if e.startswith("d")]) + 1
+        self.events.append(f"d{step}")
+        if step == self.nan_at:
             metrics = {**metrics, "loss": np.float32("nan")}  # as read back: a NaN loss
         return state, {**metrics, "_step": np.int32(step)}
 
-    return dataclasses.replace(trainer, train_step=train_step)
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _instrumented(trainer, events: list, nan_at: int | None = None):
+    """The trainer with its step wrapped in a `_RecordingStep`."""
+    return dataclasses.replace(trainer, train_step=_RecordingStep(trainer.train_step, events, nan_at))
 
 
 @pytest.fixture
