@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText import exit_codes
 from MaxText.checkpoint import manager as checkpointing
 from MaxText.cluster import devices, xla_flags
 from MaxText.config import ALIASES, Config, ConfigError, load_config
-from MaxText.errors import UserError
+from MaxText.config.checkpoint_keys import MODEL_KEYS
 from MaxText.model import Decoder, init_cache
 
 log = logging.getLogger("MaxText")
@@ -47,15 +48,8 @@ log = logging.getLogger("MaxText")
 # Keys read from the checkpoint's saved config: the model's shape and what builds its tokenizer.
 SAVED_KEYS = (
     "model_name",
-    *checkpointing.MODEL_KEYS,
+    *MODEL_KEYS,
     "weight_dtype",
-    "normalization_layer_epsilon",
-    "rope_max_timescale",
-    "rope_type",
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
     "max_target_length",
     "dataset_type",
     "dataset_path",
@@ -261,9 +255,14 @@ def abstract_params(config: Config) -> Any:
 
 
 def main(argv: Sequence[str]) -> int:
+    """Entry point; returns the exit code (`MaxText/exit_codes.py`)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    return exit_codes.run(lambda: _generate(argv))
+
+
+def _generate(argv: Sequence[str]) -> int:
     try:
         config, source = generation_config(argv)
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
@@ -279,12 +278,11 @@ def main(argv: Sequence[str]) -> int:
         params, restored = checkpointing.load_params(source, abstract_params(config), config)
         params = jax.device_put(params, jax.devices()[0])
         text = generate(config, params, tokenizer, config.prompt)
-    except UserError as e:
-        print(f"{e.prefix}: {e}", file=sys.stderr)
-        return 2
     except ValueError as e:  # e.g. a prompt the tokenizer cannot encode
+        if exit_codes.exit_code_of(e) is not None:
+            raise  # config, data and path errors: their own line (exit_codes.run)
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     log.info(
         "generated from checkpoint step %d (%s) with %s decoding",
         restored.step,
@@ -292,7 +290,7 @@ def main(argv: Sequence[str]) -> int:
         config.decode_sampling_strategy,
     )
     print(text, flush=True)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -6,12 +6,21 @@ Picks a free port, starts `python train.py ARGS coordinator_address=127.0.0.1:PO
 num_processes=N process_id=i` for each i, prefixes every output line with `[pI]`, and, when one
 process fails, stops the others and exits with that process's code. On a cluster, run `train.py`
 once per host yourself with the same three keys instead (see README, "Running on several hosts").
+
+Signals: each trainer runs in its own session, so a Ctrl-C at the terminal reaches the launcher
+only, and the launcher forwards SIGINT and SIGTERM to every trainer exactly once per signal it
+receives (a second Ctrl-C is a second SIGINT: the trainers stop at once). The trainers then save
+the same step and exit 143 / 130, which the launcher returns. A trainer killed by signal N is
+reported as exit code 128 + N (137 for SIGKILL), as a shell does. On Linux each trainer gets
+SIGTERM if the launcher itself dies (`PR_SET_PDEATHSIG`), so none outlives it unsaved.
+Exit codes: `MaxText/exit_codes.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +28,10 @@ import threading
 import time
 from pathlib import Path
 
+from MaxText import exit_codes
+
 ROOT = Path(__file__).resolve().parent.parent
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -34,24 +46,72 @@ def _pump(proc: subprocess.Popen, prefix: str, sink) -> None:
         sink.flush()
 
 
-def launch(num_processes: int, train_args: list[str], *, timeout: float | None = None) -> int:
+def _parent_death_signal():
+    """A function that, run in a child between fork and exec, makes the kernel send it SIGTERM
+    when this process dies (Linux `prctl(PR_SET_PDEATHSIG)`); None elsewhere. libc is loaded
+    here, before the fork, so the child only makes the call."""
+    if sys.platform != "linux":
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def launch(
+    num_processes: int,
+    train_args: list[str],
+    *,
+    timeout: float | None = None,
+    script: Path = ROOT / "train.py",
+) -> int:
+    """Runs `script` (the trainer) N times; returns the exit code (see the module docstring)."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs = []
-    for i in range(num_processes):
-        cmd = [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *train_args,
-            f"coordinator_address=127.0.0.1:{port}",
-            f"num_processes={num_processes}",
-            f"process_id={i}",
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    procs: list[subprocess.Popen] = []
+    received: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        received.append(signum)
+        print(f"[launch] {signal.Signals(signum).name}: forwarded to the trainers", flush=True)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    die_with_parent = _parent_death_signal()
+    try:
+        for i in range(num_processes):
+            cmd = [
+                sys.executable,
+                str(script),
+                *train_args,
+                f"coordinator_address=127.0.0.1:{port}",
+                f"num_processes={num_processes}",
+                f"process_id={i}",
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
             )
-        )
+        return _supervise(procs, received, timeout)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _supervise(procs: list[subprocess.Popen], received: list[int], timeout: float | None) -> int:
     pumps = [
         threading.Thread(target=_pump, args=(p, f"[p{i}]", sys.stdout), daemon=True)
         for i, p in enumerate(procs)
@@ -62,8 +122,9 @@ def launch(num_processes: int, train_args: list[str], *, timeout: float | None =
     code = 0
     while any(p.poll() is None for p in procs):
         failed = [p for p in procs if p.poll() not in (None, 0)]
-        if failed or (deadline is not None and time.monotonic() > deadline):
-            code = failed[0].returncode if failed else 124
+        # After a forwarded signal every trainer is stopping on its own: let them save.
+        if (failed and not received) or (deadline is not None and time.monotonic() > deadline):
+            code = exit_codes.from_returncode(failed[0].returncode) if failed else 124
             who = f"process {procs.index(failed[0])} exited with {code}" if failed else "timeout"
             print(f"[launch] {who}; stopping the others", flush=True)
             for p in procs:
@@ -75,8 +136,11 @@ def launch(num_processes: int, train_args: list[str], *, timeout: float | None =
         p.wait()
     for t in pumps:
         t.join(timeout=5)
-    if code == 0:
-        code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    if code == 0:  # every process ended by itself: the first failure is the launcher's code
+        failed = [p for p in procs if p.returncode]
+        if failed:
+            code = exit_codes.from_returncode(failed[0].returncode)
+            print(f"[launch] process {procs.index(failed[0])} exited with {code}", flush=True)
     return code
 
 
@@ -84,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
         print("usage: python -m MaxText.launch --num_processes N -- CONFIG.yml [key=value ...]")
-        return 2
+        return exit_codes.USER_ERROR
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m MaxText.launch")
     parser.add_argument("--num_processes", type=int, required=True)
@@ -92,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv[:split])
     if opts.num_processes < 1:
         print("--num_processes must be at least 1")
-        return 2
+        return exit_codes.USER_ERROR
     return launch(opts.num_processes, argv[split + 1 :], timeout=opts.timeout)
 
 

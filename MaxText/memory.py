@@ -83,17 +83,20 @@ class GroupMemory:
 
 
 def step_memory(train_step) -> XlaMemory | list[GroupMemory] | None:
-    """The compiled step's analysis: one `XlaMemory` (SPMD) or one `GroupMemory` per group;
-    None for a step that is not compiled (e.g. a test's plain function)."""
-    program = getattr(train_step, "program", None)
-    if program is None:
+    """The compiled step's analysis: one `XlaMemory` (SPMD) or one `GroupMemory` per group (its
+    task programs, from the engine's report); None for a step that is not compiled (e.g. a
+    test's plain function)."""
+    report = getattr(train_step, "report", None)
+    if report is None:
         return XlaMemory.of(train_step) if hasattr(train_step, "memory_analysis") else None
-    per_group: dict[int, dict[int, tuple[str, XlaMemory]]] = {}
-    for idx, exe in train_step.executables.items():
-        code = program.instrs[idx].code
-        tasks = per_group.setdefault(int(code.rank), {})
-        if id(exe) not in tasks:
-            tasks[id(exe)] = (code.name, XlaMemory.of(exe))
+    per_group: dict[int, dict[str, tuple[str, XlaMemory]]] = {}
+    for t in report().tasks:
+        if t.group not in train_step.local_ranks:  # compiled by another process
+            continue
+        tasks = per_group.setdefault(t.group, {})
+        if t.program not in tasks:
+            mem = XlaMemory(t.argument_bytes, t.output_bytes, t.alias_bytes, t.temp_bytes)
+            tasks[t.program] = (t.program, mem)
     return [GroupMemory(g, tuple(per_group[g].values())) for g in sorted(per_group)]
 
 

@@ -11,7 +11,10 @@ then the predicted step time, bubble and MFU, the stage split (even vs auto side
 remat policy of each stage.
 
 Exit code 0 when every group fits the hardware's memory, 1 with one line per group that does not
-(and concrete suggestions), 2 for a config error. `--json` writes the plan as data (see `Plan`).
+(and concrete suggestions), 2 for a config error, a hardware flag out of range (`--memory-gb`,
+`--peak-tflops`, `--hbm-gbps`, `--link-gbps` must be > 0, `--efficiency` in (0, 1]) or a `--json`
+file that cannot be written (checked before anything is compiled). `--json` writes the plan as
+data (see `Plan`). Exit codes: `MaxText/exit_codes.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import dataclasses
 import json
 import sys
 
+from MaxText import exit_codes
 from MaxText.cluster.compile_cache import compilation_cache
+from MaxText.cluster.output_paths import writable_file
 from MaxText.planning.auto import describe_remat, make_plan, resolve_schedule
 from MaxText.planning.cost_model import Plan, byte_unit, describe_gradients, format_bytes
 from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
@@ -72,31 +77,48 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(rows)
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m MaxText.plan", add_help=True)
     parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"])
     parser.add_argument("--json", dest="json_path", default=None)
-    for flag in ("memory-gb", "peak-tflops", "hbm-gbps", "link-gbps", "efficiency"):
-        parser.add_argument(f"--{flag}", type=float, default=None)
-    return parser.parse_known_args(argv)
+    for flag in ("memory-gb", "peak-tflops", "hbm-gbps", "link-gbps"):
+        parser.add_argument(f"--{flag}", type=_positive, default=None)
+    parser.add_argument("--efficiency", type=_fraction, default=None)
+    return parser.parse_known_args(argv)  # a bad flag: one usage line, exit 2
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = _parse(argv)
+    return exit_codes.run(lambda: _plan(args, rest))
+
+
+def _plan(args, rest) -> int:
     from MaxText.metrics import setup_logging
 
     setup_logging()
     from MaxText.cluster import devices, xla_flags
-    from MaxText.config import ConfigError, load_config
+    from MaxText.config import load_config
 
-    try:
-        config = load_config(rest)
-        xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
-        config, _ = devices.start(config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    config = load_config(rest)
+    if args.json_path:
+        writable_file(args.json_path, "--json")
+    xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
+    config, _ = devices.start(config)
     hardware = HARDWARE.get(args.hardware) or cpu_hardware(config.num_devices)
     overrides = {
         "memory_bytes": args.memory_gb and args.memory_gb * GB,
@@ -105,13 +127,11 @@ def main(argv=None) -> int:
         "link_gbps": args.link_gbps,
         "efficiency": args.efficiency,
     }
-    hardware = dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
+    hardware = dataclasses.replace(
+        hardware, **{k: v for k, v in overrides.items() if v is not None}
+    )
     with compilation_cache(config.jax_cache_dir):
-        try:
-            config, base = resolve_schedule(config, hardware)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+        config, base = resolve_schedule(config, hardware)
         plan = make_plan(config, hardware, base)
     print(format_plan(plan))
     if args.json_path:
@@ -120,7 +140,7 @@ def main(argv=None) -> int:
     problems = plan.problems()
     for line in problems:
         print(line, file=sys.stderr)
-    return 0 if plan.fits else 1
+    return exit_codes.OK if plan.fits else exit_codes.RUN_FAILURE
 
 
 if __name__ == "__main__":

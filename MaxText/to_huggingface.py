@@ -17,17 +17,21 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    from MaxText.errors import UserError
+    """Entry point; returns the exit code (`MaxText/exit_codes.py`)."""
+    from MaxText import exit_codes
     from MaxText.metrics import setup_logging
 
     setup_logging()
+    return exit_codes.run(lambda: _export(argv))
+
+
+def _export(argv: Sequence[str]) -> int:
+    from MaxText.cluster.output_paths import writable_dir
     from MaxText.convert import exporter
 
-    try:
-        exporter.export(exporter.export_config(argv))
-    except UserError as e:
-        print(f"{e.prefix}: {e}", file=sys.stderr)
-        return 2
+    config = exporter.export_config(argv)
+    writable_dir(config.hf_output_path, "hf_output_path")  # before reading the checkpoint
+    exporter.export(config)
     return 0
 
 

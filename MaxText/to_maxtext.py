@@ -6,7 +6,8 @@
 Writes `OUT/0/items` (and `OUT/0/config`, the model keys), streaming one tensor at a time; then
 `python train.py configs/base.yml load_parameters_path=OUT/0/items ...` trains from it in any
 layout. How: `MaxText/convert/importer.py`. Exit code 2 with one line for anything it cannot
-convert (another architecture, a missing tensor, shapes that do not match `model_name=`).
+convert (another architecture, a missing tensor, shapes that do not match `model_name=`) or an
+output folder that cannot be written (`MaxText/exit_codes.py`).
 """
 
 from __future__ import annotations
@@ -16,18 +17,21 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    from MaxText.errors import UserError
+    """Entry point; returns the exit code (`MaxText/exit_codes.py`)."""
+    from MaxText import exit_codes
     from MaxText.metrics import setup_logging
 
     setup_logging()
+    return exit_codes.run(lambda: _convert(argv))
+
+
+def _convert(argv: Sequence[str]) -> int:
+    from MaxText.cluster.output_paths import writable_dir
     from MaxText.convert import importer
 
-    try:
-        config, folder = importer.import_config(argv)
-        importer.convert(config, folder)
-    except UserError as e:
-        print(f"{e.prefix}: {e}", file=sys.stderr)
-        return 2
+    config, folder = importer.import_config(argv)
+    writable_dir(config.base_output_directory, "base_output_directory")  # before reading tensors
+    importer.convert(config, folder)
     return 0
 
 

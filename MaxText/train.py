@@ -5,21 +5,30 @@
 Order: config -> devices (emulated CPU devices if needed) -> mesh -> data -> model + compiled steps
 -> state (fresh, or restored: `MaxText/checkpoint/manager.py`) -> loop -> metrics / checkpoints.
 
-The loop dispatches step N+1 before reading step N's metrics back, so the host prepares the next
-batch while the devices work; step time is the interval between consecutive step completions.
+The loop dispatches step N+1 before reading step N's metrics back (pipelined or not), so the host
+prepares the next batch while the devices work. It reads a step's metrics at once only where it
+must: before an evaluation, before a checkpoint is saved (a NaN state is never written) and at the
+last step. Step time is the interval between consecutive step ends, observed without waiting
+(`MaxText/step_clock.py`); the run ends with the host's median gap between dispatches.
 Every step prints MaxText's line `completed step: N, seconds: S, TFLOP/s/device: T,
 Tokens/s/device: K, total_weights: W, loss: L`. Every `log_period` steps (and at evaluations and
 the last step) it logs a richer line and a metrics.jsonl record; every `eval_interval` steps and
 at the end it evaluates on the held-out split; a NaN or infinite loss aborts with the step number
-(exit code 1). Config and data-setting errors exit with code 2 and one line.
+and the newest checkpoint on disk.
+
+Exit codes (`MaxText/exit_codes.py`): config, data and path errors exit 2 with one line, before
+anything is compiled (paths: `MaxText/cluster/output_paths.py`); a NaN loss or a storage failure
+during the run exits 1 with one line; SIGTERM / SIGINT save the step in flight and exit 143 / 130
+(`MaxText/cluster/preemption.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,15 +36,18 @@ import jax
 import numpy as np
 
 import jaxpp_integration as jaxpp
-from MaxText import memory, sharding
+from MaxText import exit_codes, memory, sharding
 from MaxText.checkpoint.manager import Checkpoints
 from MaxText.cluster import devices, gpu_host, xla_flags
+from MaxText.cluster.output_paths import check_run_paths, os_reason
+from MaxText.cluster.preemption import StoppedBeforeStart, StopRequests
 from MaxText.config import Config, load_config
-from MaxText.errors import UserError
+from MaxText.errors import StorageError
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
 from MaxText.planning import flops
 from MaxText.profiling import Profiler
+from MaxText.step_clock import StepClock
 from MaxText.train_step import Trainer, build_trainer, evaluate, measured_train_step
 
 log = logging.getLogger("MaxText")
@@ -44,6 +56,17 @@ log = logging.getLogger("MaxText")
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN or infinite."""
 
+    prefix = "error"
+    exit_code = exit_codes.RUN_FAILURE
+
+
+class Stopped(BaseException):  # noqa: N818 (not an error: the run stopped as asked)
+    """The run saved its step and stopped after a signal; `exit_code` is 128 + its number."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     # fetch: under several processes the metrics live on the last pipeline group's process and
@@ -51,8 +74,15 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in jaxpp.fetch(metrics).items()}
 
 
-def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
-    """Trains from the restored/initial state to `config.steps`; returns the last record."""
+def run(
+    config: Config, trainer: Trainer, data: Any, stops: StopRequests | None = None
+) -> dict[str, Any]:
+    """Trains from the restored/initial state to `config.steps`; returns the last record.
+
+    Raises `TrainingDivergedError` on a NaN/Inf loss, `StorageError` when saving or writing
+    metrics fails, and `Stopped` after saving the step reached when `stops` asks to stop.
+    """
+    stops = stops or StopRequests()
     platform = jax.devices()[0].platform
     peak = flops.peak_tflops(config, platform, jax.devices()[0].device_kind)
     step_flops = flops.training_flops_per_step(config)
@@ -108,20 +138,23 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
     last: dict[str, Any] = {}
     pending: tuple[int, dict[str, Any]] | None = None
     measured_peaks: list | None = None  # written into the first logged record
-    t_done = time.perf_counter()
     profiler = Profiler(config, start, logger.info)
 
+    def on_disk() -> str:
+        """The newest checkpoint on disk, once a save still being written has finished."""
+        with contextlib.suppress(StorageError):  # a failed save: the older one is named
+            checkpoints.wait()
+        return checkpoints.pending.describe_newest()
+
     def finish(step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
-        nonlocal t_done, last, measured_peaks
+        nonlocal last, measured_peaks
         values = _scalars(metrics)  # blocks until `step` has finished
-        now = time.perf_counter()
-        seconds = now - t_done
+        seconds = clock.step_seconds(step)
         window.append(seconds)
-        t_done = now
         if not math.isfinite(values["loss"]):
             raise TrainingDivergedError(
                 f"loss is {values['loss']} at step {step}; aborting "
-                f"(try a lower learning_rate or a gradient_clipping_threshold)"
+                f"(try a lower learning_rate or a gradient_clipping_threshold); {on_disk()}"
             )
         logger.advance(step, values["loss"])
         logger.step_line(
@@ -138,7 +171,7 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
                 trainer, state["params"], data.eval_batches(), config.eval_steps
             )
             record.update(eval_loss=eval_loss, eval_batches=n)
-            t_done = time.perf_counter()  # do not charge evaluation to the next step
+            clock.restart()  # do not charge evaluation to the next step
         if evaluate_now or step % config.log_period == 0 or step == config.steps:
             step_time = sum(window) / len(window)
             achieved = tflops_per_device / step_time
@@ -159,50 +192,130 @@ def run(config: Config, trainer: Trainer, data: Any) -> dict[str, Any]:
             if measured_peaks is not None:
                 record["peak_bytes_per_group"] = measured_peaks
                 measured_peaks = None
-            logger.write(record)
+            try:
+                logger.write(record)
+            except OSError as e:
+                raise StorageError(
+                    f"writing metrics to {config.metrics_file} failed: {os_reason(e)}; {on_disk()}"
+                ) from e
             window.clear()
             last = record
 
+    stops.on_stop_now = lambda: _stop_now(data, checkpoints)
+    clock = StepClock()
     try:
+        stops.loop_started()
         for step in range(start + 1, config.steps + 1):
             batch = trainer.put_batch(next(train_iter))
             step_kwargs = profiler.step_kwargs(step)  # starts the trace; the engine's timing
+            clock.dispatching()
             if step == start + 1:  # peak bytes per group, measured once (a slower step)
                 state, metrics, measured_peaks = measured_train_step(
                     trainer, state, batch, **step_kwargs
                 )
             else:
                 state, metrics = trainer.train_step(state, batch, **step_kwargs)
+            clock.dispatched(step, metrics)
+            stopping = stops.should_stop(step)
+            final = step == config.steps
+            # Step N's metrics are read after step N+1 is dispatched (no per-step host sync),
+            # except where the host must know them now: before evaluating, before saving (a
+            # NaN state is never written, and the next step may donate this one's buffers),
+            # and at the end.
+            evaluate_now = config.eval_interval > 0 and (step % config.eval_interval == 0 or final)
+            saving = stopping or checkpoints.should_save(step, final)
             if pending is not None:
                 finish(*pending, evaluate_now=False)
                 pending = None
             # stopping the trace (and drawing the timeline) is not charged to this step
-            t_done += profiler.after_step(step, (state, metrics), trainer.train_step)
-            evaluate_now = config.eval_interval > 0 and (
-                step % config.eval_interval == 0 or step == config.steps
-            )
-            if evaluate_now or config.is_pipelined:
-                # the pipelined step runs its tasks while it dispatches them (small CPU programs
-                # even synchronously), so read it back now: otherwise step N's time would hold
-                # step N+1's work
+            clock.exclude(profiler.after_step(step, (state, metrics), trainer.train_step))
+            if evaluate_now or saving or final:
                 finish(step, metrics, evaluate_now=evaluate_now)
             else:
                 pending = (step, metrics)
-            checkpoints.maybe_save(step, state, data, final=step == config.steps)
-        if pending is not None:
-            finish(*pending, evaluate_now=False)
-    finally:
+            checkpoints.check()  # a background save that failed stops the run now
+            if stopping:
+                raise _stop(step, state, data, checkpoints, stops)
+            if saving:
+                checkpoints.save(step, state, data)
+        gaps = clock.gap_summary()
+        if gaps:
+            logger.info(gaps)
+    except BaseException:
         profiler.close()
         logger.close()
-        checkpoints.close()  # waits for an async save still being written
+        _close_data(data)
+        with contextlib.suppress(Exception):  # the error in flight is the one to report
+            checkpoints.close()  # waits for an async save still being written
+        raise
+    profiler.close()
+    logger.close()
+    _close_data(data)
+    checkpoints.close()  # waits for an async save still being written
     return last
 
 
+def _stop(step: int, state: Any, data: Any, checkpoints: Checkpoints, stops: StopRequests):
+    """Saves `step` after a stop request; returns the `Stopped` to raise."""
+    why = (
+        signal.Signals(stops.signum).name
+        if stops.signum is not None
+        else "SIGTERM (a preemption notice to this job)"
+    )
+    code = stops.exit_code
+    if checkpoints.should_save(step, final=True):  # checkpointing is on
+        checkpoints.save(step, state, data, wait=True)
+        where = f"checkpoint step {step} is on disk ({checkpoints.directory / str(step)})"
+    else:
+        where = "enable_checkpointing=false, nothing saved"
+    return Stopped(f"{why}: stopped after step {step}; {where}; exit code {code}", code)
+
+
+def _close_data(data: Any) -> None:
+    close = getattr(data, "close", None)
+    if close is not None:
+        close()
+
+
+def _stop_now(data: Any, checkpoints: Checkpoints) -> str:
+    """A second Ctrl-C: stop the data workers (in order: killed ones would leave their shared
+    memory to the resource tracker's warnings); say what is on disk (nothing is saved now)."""
+    _close_data(data)
+    checkpoints.abandon()
+    return checkpoints.pending.describe_newest()
+
+
 def main(argv: Sequence[str]) -> int:
-    """Entry point; returns the process exit code (0 ok, 1 diverged, 2 config error)."""
+    """Entry point; returns the process exit code (`MaxText/exit_codes.py`)."""
     setup_logging()
+    with StopRequests() as stops:
+        try:
+            return _main(argv, stops)
+        except StoppedBeforeStart as e:
+            print(f"{e}: stopped before the first step; nothing new to save", file=sys.stderr)
+            return exit_codes.after_signal(e.signum)
+        except Stopped as e:
+            log.info(str(e))
+            return e.exit_code
+
+
+def _make_data(config: Config) -> Any:
+    from MaxText.data import make_data
+    from MaxText.data.errors import DataError
+
+    try:
+        return make_data(config)
+    except ValueError as e:  # the data modules' plain ValueErrors are unusable data settings
+        if exit_codes.exit_code_of(e) is not None:
+            raise
+        raise DataError(str(e)) from None
+
+
+def _main(argv: Sequence[str], stops: StopRequests) -> int:
+    debug = False
     try:
         config = load_config(argv)
+        debug = config.debug_tracebacks
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
         gpu_host.check_backend(
@@ -210,41 +323,38 @@ def main(argv: Sequence[str]) -> int:
             hardware=config.hardware,
             allow_cpu_fallback=config.allow_cpu_fallback,
         )
-    except UserError as e:
-        print(f"{e.prefix}: {e}", file=sys.stderr)
-        return 2
-    from MaxText.data import make_data
-
-    try:
-        data = make_data(config)  # raises ValueError for unusable data settings
-    except ValueError as e:
-        print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        stops.cluster_started()  # several processes: JAX's preemption notifier takes SIGTERM
+        data = _make_data(config)
+        # Creates the run's folders: after every config, device and data check (a refused run
+        # leaves nothing behind) and before anything is compiled.
+        check_run_paths(config)
+    except Exception as e:
+        code = exit_codes.report(e, debug=debug)
+        if code is None:
+            raise
+        return code
     from MaxText.cluster.compile_cache import compilation_cache
     from MaxText.planning.auto import resolve_auto
 
-    with compilation_cache(config.jax_cache_dir):
-        try:
+    try:
+        with compilation_cache(config.jax_cache_dir):
             config = resolve_auto(config)  # "auto" schedule, microbatches, split, remat
-        except UserError as e:
-            print(f"{e.prefix}: {e}", file=sys.stderr)
-            return 2
-        mesh = sharding.make_mesh(config, devs)
-        trainer = build_trainer(config, mesh)
-        try:
-            last = run(config, trainer, data)
-        except TrainingDivergedError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except UserError as e:  # e.g. a checkpoint of another model or seed, or unreadable
-            print(f"{e.prefix}: {e}", file=sys.stderr)
-            return 2
+            mesh = sharding.make_mesh(config, devs)
+            trainer = build_trainer(config, mesh)
+            last = run(config, trainer, data, stops)
+    except Exception as e:  # e.g. a checkpoint of another model or seed, a full disk, a NaN
+        code = exit_codes.report(e, debug=debug)
+        if code is None:
+            raise
+        return code
+    finally:
+        _close_data(data)
     if last:
         summary = f"done: {config.steps} steps, loss {last['loss']:.4f}"
         if "eval_loss" in last:
             summary += f", eval_loss {last['eval_loss']:.4f}"
         log.info(summary + f"; metrics in {config.metrics_file}")
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

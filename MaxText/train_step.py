@@ -214,7 +214,8 @@ class Trainer:
     mpmd_mesh: Any = None
 
 
-def _batch_shapes(config: Config, length: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+def batch_shapes(config: Config, length: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch the step takes, as abstract arrays (the planner compiles on these)."""
     shape = (config.global_batch_size, length or config.max_target_length)
     return {
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "targets_mask" else jnp.int32)
@@ -233,9 +234,17 @@ def build_trainer(config: Config, mesh: Mesh, model: Decoder | None = None) -> T
     model = model or Decoder(config)
     optimizer, lr_schedule = make_optimizer(config)
     abstract_state, specs = state_specs(config, model, optimizer)
-    if config.is_pipelined:
-        return _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs)
-    return _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs)
+    build = _build_mpmd if config.is_pipelined else _build_spmd
+    return Trainer(
+        config=config,
+        mesh=mesh,
+        model=model,
+        optimizer=optimizer,
+        lr_schedule=lr_schedule,
+        abstract_state=abstract_state,
+        state_specs=specs,
+        **build(config, mesh, model, optimizer, lr_schedule, abstract_state, specs),
+    )
 
 
 # Initialisation runs once, and XLA:CPU spends most of its compile time optimising the random
@@ -285,7 +294,8 @@ def _init_on(mesh: Mesh, config, model, optimizer, specs):
     return init_state, shardings
 
 
-def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> Trainer:
+def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> dict:
+    """The SPMD step's parts of the `Trainer` (`jax.jit`, compiled ahead of time)."""
     init_state, state_shardings = _init_on(mesh, config, model, optimizer, specs)
     batch_sharding = NamedSharding(mesh, sharding.batch_spec())
     batch_shardings = {k: batch_sharding for k in batch_keys(config)}
@@ -305,7 +315,7 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     )
     batch_in = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-        for k, v in _batch_shapes(config).items()
+        for k, v in batch_shapes(config).items()
     }
     with jax.set_mesh(mesh), sharding.axis_rules():  # activation constraints
         compiled = jitted.lower(abstract_in, batch_in).compile()
@@ -324,14 +334,7 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
             for k, v in _as_step_batch(batch, batch_keys(config)).items()
         }
 
-    return Trainer(
-        config=config,
-        mesh=mesh,
-        model=model,
-        optimizer=optimizer,
-        lr_schedule=lr_schedule,
-        abstract_state=abstract_state,
-        state_specs=specs,
+    return dict(
         state_shardings=state_shardings,
         train_step=compiled,
         eval_step=eval_jitted,
@@ -367,7 +370,9 @@ def pipelined_train_step(
     )
 
 
-def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> Trainer:
+def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> dict:
+    """The pipelined step's parts of the `Trainer` (`mpmd_jit_with_loop`, compiled ahead of
+    time on the first state)."""
     from jaxpp_integration.schedules import schedule_from_name
 
     mpmd_mesh = sharding.make_mpmd_mesh(mesh)
@@ -375,7 +380,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     # The state is initialised on this process's first pipeline group (every process makes the
     # same values from the seed); the first step moves each stage's share to its group and every
     # later step reuses the outputs where they live.
-    first_group = mpmd_mesh.unstack[min(jaxpp.api.local_ranks(mpmd_mesh))]
+    first_group = mpmd_mesh.unstack[min(jaxpp.local_ranks(mpmd_mesh))]
     init_state, state_shardings = _init_on(first_group, config, model, optimizer, specs)
     batch_specs = {k: sharding.batch_spec() for k in batch_keys(config)}
     pipelined = pipelined_train_step(config, model, optimizer, lr_schedule, specs, mpmd_mesh)
@@ -385,7 +390,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         return _as_step_batch(batch, batch_keys(config))
 
     example_batch = put_batch(
-        {k: np.zeros(v.shape, v.dtype) for k, v in _batch_shapes(config).items()}
+        {k: np.zeros(v.shape, v.dtype) for k, v in batch_shapes(config).items()}
     )
     first_state = [init_state()]  # compiling does not consume it: hand it to the loop once
     t0 = time.perf_counter()  # the step's compile alone, as for SPMD (not the initialisation)
@@ -413,14 +418,7 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
 
     eval_step.pipelined = eval_pipelined  # for inspection (tests, benchmarks)
 
-    return Trainer(
-        config=config,
-        mesh=mesh,
-        model=model,
-        optimizer=optimizer,
-        lr_schedule=lr_schedule,
-        abstract_state=abstract_state,
-        state_specs=specs,
+    return dict(
         state_shardings=state_shardings,
         train_step=compiled,
         eval_step=eval_step,
@@ -446,13 +444,12 @@ def evaluate(trainer: Trainer, params, batches: Iterable[dict[str, np.ndarray]],
 
 def measured_train_step(trainer: Trainer, state, batch, **step_kwargs):
     """One train step that also measures the peak bytes per device of each pipeline group:
-    `(state, metrics, [peak per group])`. Pipelined: the device buffers alive after every
-    instruction of the step (`jaxpp_integration.runtime.executor.measuring_device_bytes`; it waits
-    for each task, so this step runs slower), the largest device of each group. SPMD: the backend's
-    `peak_bytes_in_use` where it reports memory stats (GPU), else None. `step_kwargs` go to the
-    step call (the profiler's `record_times=True`)."""
-    from jaxpp_integration.runtime.executor import measuring_device_bytes
-
+    `(state, metrics, [peak per group])`. Pipelined: the engine's device-bytes measurement
+    (`compiled(..., measure_device_bytes=True)`: the buffers alive on each device after every
+    instruction, tracked from the program's allocation and free events and checked against the
+    live buffers once, at the peak), the largest device of each group; a disagreement of that
+    check is logged. SPMD: the backend's `peak_bytes_in_use` where it reports memory stats
+    (GPU), else None. `step_kwargs` go to the step call (the profiler's `record_times=True`)."""
     if trainer.mpmd_mesh is None:
         state, metrics = trainer.train_step(state, batch, **step_kwargs)
         local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -460,16 +457,17 @@ def measured_train_step(trainer: Trainer, state, batch, **step_kwargs):
         if all(s and "peak_bytes_in_use" in s for s in stats):
             return state, metrics, [max(int(s["peak_bytes_in_use"]) for s in stats)]
         return state, metrics, None
-    with measuring_device_bytes() as probe:
-        state, metrics = trainer.train_step(state, batch, **step_kwargs)
-        jax.block_until_ready(metrics)
-    groups = [
-        [d.id for d in trainer.mpmd_mesh.unstack[g].devices.flat]
-        for g in range(trainer.mpmd_mesh.mpmd_dim)
-    ]
-    (after_each,) = probe.steps
-    peaks = [
-        max((max(after.get(d, 0) for d in ids) for after in after_each), default=0)
-        for ids in groups
-    ]
+    compiled = trainer.train_step
+    state, metrics = compiled(state, batch, measure_device_bytes=True, **step_kwargs)
+    measured = compiled.last_device_bytes
+    for index, tracked, scanned in measured.mismatches():
+        log.warning(
+            "device bytes after instruction %d: tracked %s, live buffers %s (a buffer outlived "
+            "the program's own free events)",
+            index,
+            tracked,
+            scanned,
+        )
+    mesh = trainer.mpmd_mesh
+    peaks = [measured.peak([d.id for d in mesh.devices_of(g)]) for g in range(mesh.mpmd_dim)]
     return state, metrics, peaks

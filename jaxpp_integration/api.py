@@ -1,14 +1,20 @@
 """The public API: `mpmd_jit_with_loop`, and re-exports of markers, treduce, meshes, schedules.
 
-`mpmd_jit_with_loop(fn, mpmd_mesh=...)` runs the passes in this order (one module each):
-trace (`treduce.pipelined_tracing`) → cluster the loop body (`partition`) → place work outside
-the loop (`placement`) → unroll, order by schedule, transfers (`program`) → deletes
-(`program.add_deletes`) → compile per group (`compile`) → run (`runtime`).
+`mpmd_jit_with_loop(fn, mpmd_mesh=...)` runs the passes in this order (one module each, see
+`_compile`): trace (`frontend.treduce.pipelined_tracing`) → choose per mesh axis which
+data-parallel sums wait for one reduction per step and defer them (`compiler.reduction_plan`,
+`compiler.unreduced`) → cluster the loop body
+(`compiler.partition`) → place work outside the loop (`compiler.placement`) → unroll, order by
+schedule, transfers (`compiler.program.build_program`) → in-place update and deletes
+(`compiler.lifetimes`) → compile per group (`compiler.compile`) →
+prepare the walk (`runtime.executor.prepare`) → run (`runtime.executor.execute`).
+`compiled.report()` describes the result (`tools.report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -16,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpp_integration.compiler import lifetimes as _lifetimes
 from jaxpp_integration.compiler import partition as _partition
 from jaxpp_integration.compiler import placement as _placement
 from jaxpp_integration.compiler import program as _program
@@ -29,7 +36,7 @@ from jaxpp_integration.frontend.mesh import MpmdMesh
 from jaxpp_integration.frontend.reductions import Add, Concat, Max
 from jaxpp_integration.frontend.treduce import pipelined_tracing, treduce
 from jaxpp_integration.jax_compat import wait_at_barrier
-from jaxpp_integration.runtime.executor import execute, prepare
+from jaxpp_integration.runtime.executor import DeviceBytes, execute, prepare
 from jaxpp_integration.runtime.fetch import fetch
 from jaxpp_integration.runtime.reshard import mpmd_to_spmd_reshard
 from jaxpp_integration.runtime.transfer import CrossBatch, Link, SpecExchange
@@ -48,18 +55,21 @@ from jaxpp_integration.schedules import (
     ZeroBubble,
     schedule_from_name,
 )
-from jaxpp_integration.schedules.validation import check_cross_process_order
 from jaxpp_integration.tools.memory import MemoryReport
+from jaxpp_integration.tools.report import EngineReport, build_report
 
 __all__ = [
     "Add",
     "AutoReduction",
     "Concat",
+    "DeviceBytes",
     "DualPipeV",
     "Eager1F1B",
     "FusedTask",
     "GPipe",
     "Interleaved1F1B",
+    "EngineOptions",
+    "EngineReport",
     "Max",
     "MemoryReport",
     "MpmdArray",
@@ -71,6 +81,7 @@ __all__ = [
     "UserSchedule",
     "ZeroBubble",
     "fetch",
+    "local_ranks",
     "mark_stage_end",
     "mpmd_jit_with_loop",
     "mpmd_to_spmd_reshard",
@@ -127,6 +138,33 @@ def _flat_specs(specs, args, what) -> list:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """The keyword arguments of `mpmd_jit_with_loop`, checked once (see its docstring)."""
+
+    in_specs: Any = None
+    out_specs: Any = None
+    donate_argnums: tuple = ()
+    compile_threads: int = 0
+    gradient_reduction: Any = "auto"  # "auto" | "step" | "microbatch" | AutoReduction(...)
+    pipeline_hang_timeout_s: float | None = None
+    pipeline_fsdp_ag_once: bool = False
+
+    def __post_init__(self):
+        donate = self.donate_argnums
+        object.__setattr__(
+            self, "donate_argnums", tuple((donate,) if isinstance(donate, int) else donate)
+        )
+        object.__setattr__(self, "compile_threads", int(self.compile_threads))
+        object.__setattr__(self, "pipeline_fsdp_ag_once", bool(self.pipeline_fsdp_ag_once))
+        _reduction.check_mode(self.gradient_reduction)
+        timeout = self.pipeline_hang_timeout_s
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(
+                f"pipeline_hang_timeout_s={timeout!r} must be >= 0 seconds (0 or None: no watchdog)"
+            )
+
+
 @dataclasses.dataclass
 class CompiledMpmdFunction:
     """A step traced, partitioned, scheduled and compiled for one argument structure."""
@@ -143,13 +181,16 @@ class CompiledMpmdFunction:
     n_args: int
     consts: list
     schedule: Schedule
+    walk: Any  # runtime.executor.Walk: the program as the runtime runs it on this process
     local_ranks: frozenset = frozenset()
     compile_stats: Any = None  # compile.CompileStats: XLA compiles vs executables loaded
-    last_memory: MemoryReport | None = None
     last_events: list | None = None
+    last_device_bytes: DeviceBytes | None = None
     watchdog: Watchdog | None = None
     reduction_choice: ReductionChoice | None = None  # what gradient_reduction decided
     input_transfers: dict = dataclasses.field(default_factory=dict)  # see `_place_input`
+    _report: EngineReport | None = None
+    _ran: bool = False
 
     @property
     def closed_jaxpr(self):
@@ -160,7 +201,25 @@ class CompiledMpmdFunction:
     def num_executables(self) -> int:
         return len({id(e) for e in self.executables.values()})
 
-    def __call__(self, *args, record_times: bool = False):
+    def report(self) -> EngineReport:
+        """Every task instance (kind, phase, stage, group, FLOPs, bytes, XLA memory), transfer,
+        step input and memory event of the compiled step (`tools.report`); computed once."""
+        if self._report is None:
+            self._report = build_report(
+                self.program, self.executables, self.slot_sharding, self.mpmd_mesh, self.schedule
+            )
+        return self._report
+
+    @property
+    def last_memory(self) -> MemoryReport | None:
+        """Logical bytes alive per group over a step (whole arrays, from shapes in program
+        order; the same for every step of this program): None before the first step."""
+        return self.walk.memory if self._ran else None
+
+    def __call__(self, *args, record_times: bool = False, measure_device_bytes: bool = False):
+        """Runs one step. `record_times`: block on each task and keep its start and end in
+        `last_events`. `measure_device_bytes`: keep the bytes of the device buffers alive per
+        device after every instruction in `last_device_bytes` (a `DeviceBytes`)."""
         leaves, tree = jax.tree.flatten(args)
         if tree != self.in_tree:
             raise TypeError(
@@ -168,84 +227,115 @@ class CompiledMpmdFunction:
                 "pass the same structure or call .compile() again"
             )
         for i, (x, want) in enumerate(zip(leaves, self.in_avals)):
-            got = _aval_of(x)
-            if got.shape != want.shape or got.dtype != want.dtype:
+            shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+            if shape is None or dtype is None:
+                got = _aval_of(x)
+                shape, dtype = got.shape, got.dtype
+            if tuple(shape) != want.shape or dtype != want.dtype:
                 raise TypeError(
-                    f"argument leaf {i} is {got.dtype}{list(got.shape)} but the function was "
+                    f"argument leaf {i} is {dtype}{list(shape)} but the function was "
                     f"compiled for {want.dtype}{list(want.shape)}; call .compile() again"
                 )
         values = [*leaves, *self.consts]
-        inputs = {}
+        inputs, moves = {}, []  # moves: (slot, value, sharding) to place in one call
         for j, slots in enumerate(self.program.inputs):
             for r, s in slots.items():
-                v = self._place_input(values[j], r, self.slot_sharding[s])
+                v = self._place_input(values[j], r, self.slot_sharding[s], s, moves)
                 if v is not None:
                     inputs[s] = v
+        if moves:
+            placed = jax.device_put([v for _, v, _ in moves], [sh for _, _, sh in moves])
+            for (s, _, _), v in zip(moves, placed):
+                inputs[s] = v
+            del placed
+        del values, leaves, moves
+        probe = DeviceBytes() if measure_device_bytes else None
         try:
-            outs, report, events = self._execute(inputs, record_times)
+            outs, events = execute(
+                self.walk, inputs, record_times=record_times, watchdog=self.watchdog, probe=probe
+            )
         finally:
             if self.watchdog is not None:
                 self.watchdog.leave()
-        self.last_memory = report
-        self.last_events = events if record_times else None
+        self._ran = True
+        self.last_events = events
+        if measure_device_bytes:
+            self.last_device_bytes = probe
         arrays = [
             MpmdArray(
                 self.mpmd_mesh,
                 {r: a for r, a in per_rank.items() if r in self.local_ranks},
-                mpmd_idxs=tuple(slots),
-                aval=self.program.slot_aval[next(iter(slots.values()))],
-                spec=self.slot_sharding[next(iter(slots.values()))].spec,
+                mpmd_idxs=idxs,
+                aval=aval,
+                spec=spec,
             )
-            for per_rank, slots in zip(outs, self.program.outputs)
+            for per_rank, (idxs, aval, spec) in zip(outs, self._out_meta)
         ]
-        if self.out_specs is not None:
-            arrays = [_respec(a, spec) for a, spec in zip(arrays, self.out_specs)]
+        for i, spec in self._respec:
+            arrays[i] = _respec(arrays[i], spec)
         return jax.tree.unflatten(self.out_tree, arrays)
 
-    def _execute(self, inputs, record_times):
-        return execute(
-            self.program,
-            self.executables,
-            self.slot_sharding,
-            inputs,
-            record_times=record_times,
-            local_ranks=self.local_ranks,
-            watchdog=self.watchdog,
-        )
+    @functools.cached_property
+    def _out_meta(self) -> list:
+        """Per step output: (groups holding it, aval, spec), the same every step."""
+        out = []
+        for slots in self.program.outputs:
+            first = next(iter(slots.values()))
+            out.append(
+                (tuple(slots), self.program.slot_aval[first], self.slot_sharding[first].spec)
+            )
+        return out
 
-    def _place_input(self, x, rank, sharding):
-        """`x` on group `rank` with `sharding`, or None when that group is another process's.
+    @functools.cached_property
+    def _respec(self) -> list:
+        """(output position, spec) of the outputs whose layout is not yet the `out_specs` one."""
+        if self.out_specs is None:
+            return []
+        out = []
+        for i, (slots, spec) in enumerate(zip(self.program.outputs, self.out_specs)):
+            for r, s in slots.items():
+                if self.slot_sharding[s] != NamedSharding(self.mpmd_mesh.unstack[r], spec):
+                    out.append((i, spec))
+                    break
+        return out
+
+    def _place_input(self, x, rank, sharding, slot, moves):
+        """`x` on group `rank` with `sharding`; None when that group is another process's, or
+        when it must be copied there: then (slot, value, sharding) goes to `moves`, which the
+        caller places in one `jax.device_put`.
 
         An `MpmdArray` that group `rank` does not hold is sent from the first group that does:
         a copy on one host, a collective between the two processes under multi-controller JAX
         (every process visits the inputs in the same order, so the collectives match)."""
         here = rank in self.local_ranks
-        if not isinstance(x, MpmdArray) or rank in x.mpmd_idxs:
-            return _put(x, rank, sharding) if here else None
-        src = x.mpmd_idxs[0]
-        src_here = src in self.local_ranks
-        if src_here and here:
-            return _put(x, rank, sharding)
-        if not (src_here or here):
+        if isinstance(x, MpmdArray):
+            src = rank if rank in x.mpmd_idxs else x.mpmd_idxs[0]
+            src_here = src in self.local_ranks
+            if src_here and here:
+                arr = x.array_on(src)
+                if src == rank and arr.sharding == sharding:
+                    return arr
+                moves.append((slot, arr, sharding))
+                return None
+            if src == rank or not (src_here or here):
+                return None
+            key = (src, rank, x.spec, x.shape, x.dtype)  # its program and receive buffer, kept
+            if key not in self.input_transfers:
+                mesh = self.mpmd_mesh
+                link = Link(
+                    mesh.sharding(src, x.spec), mesh.sharding(rank, x.spec), x.shape, x.dtype
+                )
+                self.input_transfers[key] = CrossBatch([link], src_here, mesh.mpmd_axis_name)
+            got, _ = self.input_transfers[key]([x.array_on(src)] if src_here else None)
+            if got is None:  # sent: the receiving process places it
+                return None
+            x = got[0]
+        if not here:
             return None
-        key = (src, rank, x.spec, x.shape, x.dtype)  # its program and receive buffer, kept
-        if key not in self.input_transfers:
-            mesh = self.mpmd_mesh
-            link = Link(mesh.sharding(src, x.spec), mesh.sharding(rank, x.spec), x.shape, x.dtype)
-            self.input_transfers[key] = CrossBatch([link], src_here, mesh.mpmd_axis_name)
-        got, _ = self.input_transfers[key]([x.arrays[src]] if src_here else None)
-        return None if got is None else _put(got[0], rank, sharding)
-
-
-def _put(x, rank, sharding):
-    if isinstance(x, MpmdArray):
-        arr = x.arrays.get(rank)
-        if arr is not None and arr.sharding == sharding:
-            return arr
-        return jax.device_put(arr if arr is not None else x.first_array, sharding)
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        moves.append((slot, x, sharding))
+        return None
 
 
 def _respec(a: MpmdArray, spec: PartitionSpec) -> MpmdArray:
@@ -259,37 +349,12 @@ def _respec(a: MpmdArray, spec: PartitionSpec) -> MpmdArray:
 class MpmdFunction:
     """What `mpmd_jit_with_loop` returns: call it, or `.compile(*args)` ahead of time."""
 
-    def __init__(
-        self,
-        fn,
-        mpmd_mesh: MpmdMesh,
-        in_specs=None,
-        out_specs=None,
-        donate_argnums=(),
-        compile_threads: int = 0,
-        gradient_reduction="auto",
-        pipeline_hang_timeout_s: float | None = None,
-        pipeline_fsdp_ag_once: bool = False,
-    ):
+    def __init__(self, fn, mpmd_mesh: MpmdMesh, options: EngineOptions | None = None):
         if not isinstance(mpmd_mesh, MpmdMesh):
             raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
-        _reduction.check_mode(gradient_reduction)
-        self.gradient_reduction = gradient_reduction
-        if pipeline_hang_timeout_s is not None and not pipeline_hang_timeout_s >= 0:
-            raise ValueError(
-                f"pipeline_hang_timeout_s={pipeline_hang_timeout_s!r} must be >= 0 seconds "
-                "(0 or None: no watchdog)"
-            )
-        self.pipeline_hang_timeout_s = pipeline_hang_timeout_s
-        self.pipeline_fsdp_ag_once = bool(pipeline_fsdp_ag_once)
         self.fn = fn
         self.mpmd_mesh = mpmd_mesh
-        self.in_specs = in_specs
-        self.out_specs = out_specs
-        self.donate_argnums = tuple(
-            (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
-        )
-        self.compile_threads = int(compile_threads)
+        self.options = options or EngineOptions()
         self._compiled: CompiledMpmdFunction | None = None
 
     def compile(self, *args) -> CompiledMpmdFunction:
@@ -314,19 +379,14 @@ class MpmdFunction:
         return c(*args)
 
 
-def mpmd_jit_with_loop(
-    fn=None,
-    *,
-    mpmd_mesh,
-    in_specs=None,
-    out_specs=None,
-    donate_argnums=(),
-    compile_threads=0,
-    gradient_reduction="auto",
-    pipeline_hang_timeout_s=None,
-    pipeline_fsdp_ag_once=False,
-):
+def mpmd_jit_with_loop(fn=None, *, mpmd_mesh, **options):
     """Pipelines the single `treduce` loop of `fn` over the groups of `mpmd_mesh`.
+
+    Options (keyword arguments, `EngineOptions`):
+
+    `in_specs` / `out_specs`: `PartitionSpec`s over the axes inside a group (a pytree prefix of
+    the arguments / outputs); inferred when omitted. `donate_argnums`: arguments the step may
+    consume (as in `jax.jit`); the after-loop tasks update them in place.
 
     `compile_threads > 1` compiles independent task programs concurrently (for hosts with many
     free cores, e.g. GPU hosts; on a 2-core CPU it does not pay, so the default is off).
@@ -349,25 +409,24 @@ def mpmd_jit_with_loop(
     gathered once per step per group and reused by every microbatch (all-gathers per step
     independent of the number of microbatches; the gathered copies stay alive through the
     loop and show in `last_memory`). Default False: each task gathers what it needs."""
-    kw = dict(
-        in_specs=in_specs,
-        out_specs=out_specs,
-        donate_argnums=donate_argnums,
-        compile_threads=compile_threads,
-        gradient_reduction=gradient_reduction,
-        pipeline_hang_timeout_s=pipeline_hang_timeout_s,
-        pipeline_fsdp_ag_once=pipeline_fsdp_ag_once,
-    )
+    names = {f.name for f in dataclasses.fields(EngineOptions)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(
+            f"mpmd_jit_with_loop got unknown option(s) {', '.join(unknown)}; "
+            f"the options are {', '.join(sorted(names))}"
+        )
+    opts = EngineOptions(**options)
     if fn is None:
-        return lambda f: MpmdFunction(f, mpmd_mesh, **kw)
-    return MpmdFunction(fn, mpmd_mesh, **kw)
+        return lambda f: MpmdFunction(f, mpmd_mesh, opts)
+    return MpmdFunction(fn, mpmd_mesh, opts)
 
 
 def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
-    mesh = f.mpmd_mesh
+    mesh, opts = f.mpmd_mesh, f.options
     leaves, in_tree = jax.tree.flatten(args)
     avals = [_aval_of(x) for x in leaves]
-    specs = [mesh.check_spec(s, "in_specs") for s in _flat_specs(f.in_specs, args, "in_specs")]
+    specs = [mesh.check_spec(s, "in_specs") for s in _flat_specs(opts.in_specs, args, "in_specs")]
 
     def flat_fn(*flat):
         return f.fn(*jax.tree.unflatten(in_tree, flat))
@@ -391,19 +450,13 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
             f"build the schedule with mpmd_dim={mesh.mpmd_dim}"
         )
     n_mb = loop_eqn.params["n_microbatches"]
+    # Every process walks one global instruction order, so the transfers between any two
+    # processes pair up for every schedule the validator accepts.
     schedule.validate(n_mb)
-    if jax.process_count() > 1:  # each pair of processes must send and receive in one order
-        check_cross_process_order(
-            schedule.tasks(n_mb),
-            schedule.num_stages,
-            schedule.split_backward,
-            schedule.stage_to_rank,
-            [mesh.devices_of(r)[0].process_index for r in range(mesh.mpmd_dim)],
-        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         with mesh.lowering_mesh():
-            reductions = _reduction.plan_reductions(jaxpr, specs, mesh, f.gradient_reduction)
+            reductions = _reduction.plan_reductions(jaxpr, specs, mesh, opts.gradient_reduction)
     loop_body, deferred = reductions.body, reductions.deferred
     body = _partition.partition_body(
         loop_body,
@@ -411,32 +464,35 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         schedule.num_stages,
         schedule.split_backward,
     )
-    n_consts = loop_eqn.params["n_consts"]
     top_for_body = dict(zip(loop_body.jaxpr.invars, loop_eqn.invars))
     loop_in_need: dict = {}
     for (stage, _), task in body.tasks.items():
         for v in task.invars:
             if v in top_for_body and _placement.is_var(top_for_body[v]):
                 loop_in_need.setdefault(top_for_body[v], set()).add(schedule.stage_to_rank(stage))
-    del n_consts
     loop_out_ranks = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
     place = _placement.place(jaxpr, loop_out_ranks, loop_in_need, mesh.mpmd_dim)
     prog = _program.build_program(
-        closed,
-        place,
-        body,
-        schedule,
-        n_mb,
-        loop_eqn.params["ops"],
-        loop_eqn.params["axis"],
-        loop_in_need,
-        deferred,
-        loop_body,
-        _reduction.gather_specs(jaxpr, specs) if f.pipeline_fsdp_ag_once else None,
-        reductions.reduce_specs,
+        _program.StepParts(
+            closed=closed,
+            placement=place,
+            body=body,
+            schedule=schedule,
+            n_mb=n_mb,
+            ops=loop_eqn.params["ops"],
+            axis=loop_eqn.params["axis"],
+            loop_need=loop_in_need,
+            deferred=deferred,
+            loop_body=loop_body,
+            gather_specs=(
+                _reduction.gather_specs(jaxpr, specs) if opts.pipeline_fsdp_ag_once else None
+            ),
+            reduce_specs=reductions.reduce_specs,
+        )
     )
-    donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in f.donate_argnums}
-    prog = _program.add_deletes(prog, donated)
+    donated = {i for i, leaf_arg in enumerate(_arg_index(args)) if leaf_arg in opts.donate_argnums}
+    prog = _lifetimes.donate_at_last_use(prog, donated)
+    prog = _lifetimes.add_deletes(prog, donated)
 
     input_specs = specs + [PartitionSpec()] * len(closed.consts)
     input_shardings = {}
@@ -455,20 +511,22 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         mesh,
         input_shardings,
         cache={},
-        compile_threads=f.compile_threads,
+        compile_threads=opts.compile_threads,
         local_ranks=local,
         exchange=exchange,
     )
     owners = [mesh.devices_of(r)[0].process_index for r in range(mesh.mpmd_dim)]
-    prepare(prog, slot_sharding, local, owners, mesh.mpmd_axis_name)
+    walk = prepare(prog, executables, slot_sharding, local, mesh.mpmd_axis_name, owners)
     if exchange is not None:  # every process compiled its part: meet before the first step
         wait_at_barrier(f"jaxpp_integration_compiled_{_compile_barrier[0]}", BARRIER_TIMEOUT_S)
     out_specs = None
-    if f.out_specs is not None:
+    if opts.out_specs is not None:
         out_specs = [
             mesh.check_spec(s, "out_specs")
             for s in _flat_specs(
-                f.out_specs, jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves), "out_specs"
+                opts.out_specs,
+                jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves),
+                "out_specs",
             )
         ]
     return CompiledMpmdFunction(
@@ -484,9 +542,10 @@ def _compile(f: MpmdFunction, args) -> CompiledMpmdFunction:
         len(leaves),
         [np.asarray(c) for c in closed.consts],
         schedule,
+        walk,
         local,
         stats,
-        watchdog=_watchdog(f.pipeline_hang_timeout_s, prog, mesh, local),
+        watchdog=_watchdog(opts.pipeline_hang_timeout_s, prog, mesh, local),
         reduction_choice=reductions.choice,
     )
 

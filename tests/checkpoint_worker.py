@@ -1,38 +1,88 @@
-"""Runs `MaxText.train.main` with the async save of one step frozen just before it completes.
+"""Runs `MaxText.train.main` with one checkpoint save interfered with, for crash tests.
 
-    python tests/checkpoint_worker.py <step> configs/base.yml key=value ...
+    python tests/checkpoint_worker.py freeze:<step> configs/base.yml key=value ...
+    python tests/checkpoint_worker.py fill:<step>:<folder> configs/base.yml key=value ...
 
-orbax writes a step into `<step>.orbax-checkpoint-tmp` and makes it complete by renaming it to
-`<step>`. This worker replaces that final rename, for `<step>` only, by a line
+`freeze`: orbax writes a step into `<step>.orbax-checkpoint-tmp` and makes it complete by
+renaming it to `<step>`. This replaces that final rename, for `<step>` only, by a line
 `FROZEN SAVE <step>` on stdout and a sleep, so that a test can `kill -9` the process while the
 save is written but not finalized (training goes on meanwhile, on the main thread).
-Used by tests/test_checkpointing.py only.
+
+`fill`: right before the save of `<step>` starts, a file `<folder>/filler` is written until the
+filesystem holding `<folder>` is full (ENOSPC), so that save fails on a really full disk; then
+the line `FILLED <step>` is printed. Used by tests/test_checkpointing.py and
+tests/test_checkpoint_faults.py.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 import time
+from pathlib import Path
 
 
-def main() -> int:
-    frozen_step = sys.argv[1]
+def fill(folder: Path) -> None:
+    """Writes `folder/filler` until the filesystem has no space left."""
+    chunk = b"\0" * (1 << 20)
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while chunk:
+            try:
+                os.write(fd, chunk)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                chunk = chunk[: len(chunk) // 2]
+    finally:
+        os.close(fd)
+
+
+def fill_before_save(step: int, folder: Path) -> None:
+    from MaxText.checkpoint.manager import Checkpoints
+
+    real_save = Checkpoints.save
+
+    def save(self, at, *args, **kwargs):
+        if at == step:
+            self.wait()  # the previous save completes on a disk with room
+            fill(folder)
+            print(f"FILLED {step}", flush=True)
+        return real_save(self, at, *args, **kwargs)
+
+    Checkpoints.save = save
+
+
+def freeze(step: str) -> None:
     from orbax.checkpoint._src.path import atomicity
-
-    from MaxText.train import main as train_main
 
     real_finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def finalize(self):
-        if self._final_path.name == frozen_step:
-            print(f"FROZEN SAVE {frozen_step}", flush=True)
+        if self._final_path.name == step:
+            print(f"FROZEN SAVE {step}", flush=True)
             while True:
                 time.sleep(60)
         return await real_finalize(self)
 
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
+
+
+def main() -> int:
+    mode, _, rest = sys.argv[1].partition(":")
+    if mode == "freeze":
+        freeze(rest)
+    elif mode == "fill":
+        step, folder = rest.split(":", 1)
+        fill_before_save(int(step), Path(folder))
+    else:
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}")
+    from MaxText.train import main as train_main
+
     return train_main(sys.argv[2:])
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

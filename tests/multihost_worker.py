@@ -117,10 +117,24 @@ def counting_transfers():
         transfer.CrossBatch.__call__ = _batch_call
 
 
+def _swapped():
+    """Valid on one process, but rank 1 runs each pair of forwards in the opposite order to the
+    one rank 0 sends them in (microbatch 1 before 0, 3 before 2): a runtime walking each rank's
+    list on its own would pair the two processes' transfers wrongly. Every process here walks one
+    global order, so the transfers pair up."""
+    from jaxpp_integration.schedules import Phase, Task
+
+    f, b = Phase.FWD, Phase.BWD
+    rank0 = [Task(0, i, f) for i in range(4)] + [Task(0, i, b) for i in range(4)]
+    rank1 = [Task(1, i, f) for i in (1, 0, 3, 2)] + [Task(1, i, b) for i in range(4)]
+    return jaxpp.UserSchedule([rank0, rank1], num_stages=2, mpmd_dim=2)
+
+
 schedule = {
-    "1f1b": jaxpp.Std1F1B(2),
-    "interleaved": jaxpp.Interleaved1F1B(num_stages=4, mpmd_dim=2),
-}[schedule_name]
+    "1f1b": lambda: jaxpp.Std1F1B(2),
+    "interleaved": lambda: jaxpp.Interleaved1F1B(num_stages=4, mpmd_dim=2),
+    "swapped": _swapped,
+}[schedule_name]()
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 1), ("stage", "fsdp"))
 mpmd_mesh = jaxpp.MpmdMesh(mesh, "stage")
 params, batch, loss_fn = tied_mlp_setup(schedule.num_stages, 4)
@@ -152,7 +166,7 @@ if mode == "die" and pid == 1:
     print("process 1: killing myself", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 compile_xla = xla_compiles[0] - cache_hits[0]  # the event also marks persistent-cache reads
-program_batches.update(id(b) for _, b in compiled.program.cross_batches.values())
+program_batches.update(id(b) for _, b in compiled.walk.cross_batches.values())
 ref_step = jax.jit(step)
 r = (params, opt_state)
 p = r

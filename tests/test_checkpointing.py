@@ -30,6 +30,7 @@ from small_model import SMALL_MODEL, merged
 
 from MaxText import sharding
 from MaxText.checkpoint import manager as checkpointing
+from MaxText.checkpoint import restore as checkpoint_restore
 from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.data import make_data
@@ -156,29 +157,36 @@ def test_resume_spmd_is_bitwise(spmd_full, tmp_path, capsys, logs):
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-def test_truncated_latest_checkpoint_falls_back(spmd_full, tmp_path, logs, capfd):
+@pytest.mark.parametrize("record", [True, False], ids=["checksums", "no_checksums"])
+def test_truncated_latest_checkpoint_falls_back(spmd_full, tmp_path, logs, capfd, record):
     """A file of checkpoint 20 cut in half: the restart warns, names it, resumes from 15.
 
     Nothing else on stderr: no traceback from reads abandoned inside orbax (the damage is found
-    before orbax reads the arrays)."""
+    before orbax reads the arrays: by the checksums, or, for a checkpoint without a record as
+    older versions wrote them, by reading every stored chunk once)."""
     full_dir, full = spmd_full
     shutil.copytree(full_dir / "full" / "checkpoints", tmp_path / "run" / "checkpoints")
     bad = tmp_path / "run" / "checkpoints" / "20"
+    if not record:
+        (bad / "checksums.json").unlink()
     files = [p for p in bad.rglob("*") if p.is_file()]
     biggest = max(files, key=lambda p: p.stat().st_size)  # array data
+    size = biggest.stat().st_size
     with open(biggest, "r+b") as f:
-        f.truncate(biggest.stat().st_size // 2)
+        f.truncate(size // 2)
 
     capfd.readouterr()
     train(tmp_path, "run", "steps=20")
     assert "Traceback" not in capfd.readouterr().err
     warnings = logs.messages(logging.WARNING)
-    assert len(warnings) == 1 and warnings[0].startswith(
-        # tensorstore's words from the pre-read, not orbax's "Error reading ... in OCDBT": caught
-        # before orbax, whose abandoned async reads print "Event loop is closed" tracebacks
-        f"checkpoint {bad} is incomplete or corrupt, skipping it (ValueError: OUT_OF_RANGE: "
-        f"Requested byte range"
-    ), warnings
+    why = (
+        f"UnreadableCheckpointError: {biggest.relative_to(bad)} has {size // 2} bytes, {size} "
+        f"when written (checksums.json))"
+        if record  # else tensorstore's words from the pre-read, not orbax's "Error reading ..."
+        else "ValueError: OUT_OF_RANGE: Requested byte range"
+    )
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"checkpoint {bad} is incomplete or corrupt, skipping it ({why}")
     assert logs.resumes()[0].startswith("resuming run run from checkpoint step 15 (")
     assert_bitwise(losses(tmp_path, "run"), full, range(16, 21))
     # The corrupt one was set aside, so step 20 could be written again.
@@ -208,9 +216,9 @@ def test_a_bug_in_restore_propagates_and_moves_nothing(spmd_full, tmp_path, monk
         raise TypeError("a bug in the restore path")
 
     target = {
-        "read_state": (checkpointing, "_read_state"),
+        "read_state": (checkpoint_restore, "_read_state"),
         "orbax_restore": (ocp.CheckpointManager, "restore"),
-        "check_model": (checkpointing, "_check_model"),
+        "check_model": (checkpoint_restore, "check_model"),
     }[where]
     monkeypatch.setattr(*target, bug)
     with pytest.raises(TypeError, match="a bug in the restore path"):
@@ -433,7 +441,7 @@ def test_kill_during_async_save_resumes_from_previous(spmd_full, tmp_path, logs,
     """The save of step 15 is written but never finalized when the process dies."""
     _, full = spmd_full
     worker = str(REPO / "tests" / "checkpoint_worker.py")
-    proc = _start([worker, "15", *argv(tmp_path, "run", "steps=20")])
+    proc = _start([worker, "freeze:15", *argv(tmp_path, "run", "steps=20")])
     _kill_when(proc, "FROZEN SAVE 15")
     ckpt_dir = tmp_path / "run" / "checkpoints"
     partial = ckpt_dir / "15.orbax-checkpoint-tmp"

@@ -17,26 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from compare import assert_bitwise
+from grain_corpus import WORDS, prepare_shards
 from small_model import SMALL_MODEL, merged
 
 from MaxText.config import CONFIGS_DIR
 from MaxText.data import prepare as prepare_lib
 from MaxText.train import main
 
-WORDS = "thou art the fairest rose in all of verona and yet my lord doth speak".split()
-
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    base = tmp_path_factory.mktemp("grain_train")
-    rng = random.Random(1)
-    (base / "corpus").mkdir()
-    with (base / "corpus" / "docs.jsonl").open("w") as f:
-        for _ in range(300):
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
-            f.write(json.dumps({"text": text}) + "\n")
-    prepare_lib.prepare(str(base / "corpus"), str(base / "shards"), vocab_size=320, quiet=True)
-    return base / "shards"
+    return prepare_shards(tmp_path_factory.mktemp("grain_train"), seed=1)
 
 
 def train(shards: Path, base: Path, run: str, *overrides: str) -> None:

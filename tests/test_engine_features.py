@@ -13,7 +13,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpp_integration as jaxpp
-from jaxpp_integration.compiler.program import Run
 from jaxpp_integration.schedules import Phase, ScheduleError, Task
 
 
@@ -67,12 +66,13 @@ def _activation_profile(schedule, n_mb):
         params, opt.init(params), batch
     )
     compiled(params, opt.init(params), batch)
-    prog = compiled.program
-    first = next(i for i in prog.instrs if isinstance(i, Run) and i.name == "fwd_0__0")
-    read_later = {s for i in prog.instrs if isinstance(i, Run) and i is not first for s in i.ins}
+    report = compiled.report()
+    first = next(t for t in report.tasks if t.name == "fwd_0__0")
+    read_later = {s for t in report.tasks if t is not first for s in t.reads}
+    nbytes = {e.value: e.bytes for e in report.events}
     # what one microbatch leaves on rank 0 for its backward (sends to rank 1 are freed at once)
-    kept = sum(prog.slot_bytes[s] for s in first.outs if s in read_later)
-    sent = sum(prog.slot_bytes[s] for s in first.outs if s not in read_later)
+    kept = sum(nbytes[s] for s in first.writes if s in read_later)
+    sent = sum(nbytes[s] for s in first.writes if s not in read_later)
     return compiled.last_memory.peak_activation_bytes[0], kept, sent
 
 

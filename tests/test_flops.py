@@ -6,6 +6,7 @@ import pytest
 
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.planning import flops
+from MaxText.planning.hardware import HARDWARE, cpu_hardware
 
 
 def load(*overrides):
@@ -26,7 +27,7 @@ def test_llama2_7b_by_hand():
     assert f.attention == 3 * 32 * 2 * 4096**3
     assert round(f.weights / 1e12, 3) == 162.376
     assert round(f.attention / 1e12, 3) == 13.194
-    assert flops.tflops_per_device_per_step(c) == pytest.approx(175.570, abs=1e-3)
+    assert f.total / c.num_devices / 1e12 == pytest.approx(175.570, abs=1e-3)
 
 
 def test_gpt_block_and_gqa_terms():
@@ -57,10 +58,11 @@ def test_gpt_block_and_gqa_terms():
     assert gqa.weights < mha.weights and gqa.attention == mha.attention
 
 
-def test_per_device_divides_by_devices():
+def test_step_flops_count_the_global_batch_whatever_the_devices():
     one = load("global_batch_size=8")
     four = load("global_batch_size=8", "ici_data_parallelism=4")
-    assert flops.tflops_per_device_per_step(one) == 4 * flops.tflops_per_device_per_step(four)
+    assert four.num_devices == 4 * one.num_devices
+    assert flops.training_flops_per_step(one) == flops.training_flops_per_step(four)
 
 
 def test_peak_table_override_and_cpu_estimate():
@@ -79,3 +81,14 @@ def test_peak_table_override_and_cpu_estimate():
     cpu = flops.peak_tflops(load("ici_data_parallelism=2"), "cpu", "cpu")
     assert cpu.estimate and cpu.tflops > 0 and "CPU estimate" in cpu.source
     assert flops.mfu(50.0, override) == 0.5 and flops.mfu(1.0, unknown) == 0.0
+
+
+def test_the_planner_reads_the_same_peaks():
+    """One table of GPU peaks and one CPU estimate: the planner's presets and this host's
+    hardware carry the figures the trainer's MFU divides by."""
+    bf16 = load("dtype=bfloat16")
+    assert HARDWARE["h100"].peak_tflops == flops.peak_tflops(bf16, "gpu", "H100 SXM").tflops
+    assert HARDWARE["h200"].peak_tflops == flops.peak_tflops(bf16, "gpu", "H200").tflops
+    assert HARDWARE["a100"].peak_tflops == flops.peak_tflops(bf16, "gpu", "A100-SXM4").tflops
+    two = load("ici_data_parallelism=2")
+    assert cpu_hardware(2).peak_tflops == flops.peak_tflops(two, "cpu", "cpu").tflops

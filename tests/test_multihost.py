@@ -98,6 +98,20 @@ BATCHES = {
 
 
 @pytest.mark.slow
+def test_two_processes_run_a_schedule_that_receives_out_of_send_order(tmp_path):
+    """A user schedule whose second rank runs its forwards in another order than the first
+    rank sends their inputs (`swapped` in the worker): every process walks one global
+    instruction order, so the cross-process transfers pair up whatever order each rank's list
+    has; bitwise equal to `jax.jit` on one device, as the built-in schedules."""
+    procs = _launch("swapped", cache_dir=tmp_path)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    assert "OK" in outs[0] and "groups here: [0]" in outs[0]
+    assert "OK" in outs[1] and "groups here: [1]" in outs[1]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_two_processes_equal_single_process_bitwise(schedule, tmp_path):
     """Tied embedding + global-norm clipping, 3 steps; each process checks its own groups

@@ -1,3 +1,5 @@
 """Checkpoints: `manager.py` (save, resume by `run_name`, parameters from another run),
-`layout.py` (training layout <-> the canonical on-disk tree), `integrity.py` (what marks a
-checkpoint damaged, and the early reads that find it)."""
+`restore.py` (the newest checkpoint every process can read), `layout.py` (training layout <->
+the canonical on-disk tree), `integrity.py` (damaged vs unavailable, checksums, early reads),
+`pending_save.py` (the save in flight and its failure), `parameters.py` (parameters-only
+checkpoints)."""

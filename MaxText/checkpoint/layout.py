@@ -72,23 +72,21 @@ class _MpmdPlacement:
 
     def __init__(self, trainer: Any, abstract_leaves: Sequence[Any]):
         import jaxpp_integration as jaxpp
-        from jaxpp_integration.api import local_ranks
 
         self._MpmdArray = jaxpp.MpmdArray
         self.mesh = trainer.mpmd_mesh
-        self.local = local_ranks(self.mesh)
+        self.local = jaxpp.local_ranks(self.mesh)
         self.abstract = list(abstract_leaves)
         num_leaves = len(self.abstract)
         fallback = jax.tree.leaves(trainer.state_specs, is_leaf=_is_spec)
         self.groups: list[tuple[int, ...]] = []
         self.specs: list = []
-        program = getattr(trainer.train_step, "program", None)
-        slot_sharding = getattr(trainer.train_step, "slot_sharding", None)
+        report = getattr(trainer.train_step, "report", None)
+        inputs = report().inputs if report is not None else ()
         for i in range(num_leaves):
-            slots = program.inputs[i] if program is not None else {}
-            if slots:
-                ranks = tuple(sorted(slots))
-                spec = slot_sharding[slots[ranks[0]]].spec
+            if i < len(inputs) and inputs[i].groups:
+                ranks = inputs[i].groups
+                spec = trainer.train_step.in_specs[i]
             else:  # not compiled by the engine (or an unused leaf): the first group
                 ranks, spec = (0,), fallback[i]
             self.groups.append(ranks)

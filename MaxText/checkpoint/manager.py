@@ -15,7 +15,9 @@ The loop (`MaxText/train.py`) talks to one `Checkpoints` object:
 - `maybe_save(step, state, data, final)` saves every `checkpoint_period` steps and at the last step;
   with `async_checkpointing` the arrays are copied to host memory, then written by a background
   thread while training continues; the next save (and `close()`) waits for the previous one.
-- `close()` waits for a pending save and releases the manager.
+  `save(step, state, data, wait=True)` saves now and returns once it is on disk (preemption).
+- `check()` (every step) reports a failed background save; `close()` waits for a pending save and
+  releases the manager.
 
 **Canonical layout.** The `state` item holds every array once, at its global shape, in one tree
 for every layout (every decoder layer its own `layers_<i>`, scanned or not): nothing on disk depends
@@ -28,14 +30,19 @@ layout wants it on: the SPMD step's shardings, or, pipelined, the groups whose c
 read it.
 
 **Crash safety.** orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
-only when every item is written, so a killed save never looks complete; leftover temporary
-folders are removed when the next run opens the manager. Before a checkpoint is restored its
-metadata files are parsed and every stored array chunk is read once (`integrity.py`); a
-complete checkpoint that cannot be read (truncated or corrupt file) is skipped with a warning
-naming it, moved to `{run}/checkpoints_corrupt/` (so the step can be written again), and the
-previous one is used. Only storage and decoding errors count as "cannot be read"
-(`is_storage_error`: a missing or unreadable file, invalid JSON, tensorstore's read/decode
-statuses); any other exception is a bug, propagates with its traceback and moves nothing.
+only when every item is written (and its `checksums.json` recorded), so a killed save never looks
+complete; leftover temporary folders are removed when the next run opens the manager. Before a
+checkpoint is restored every file is checked against its checksum (older checkpoints without a
+record: every stored array chunk is read once) and its metadata files are parsed (`integrity.py`;
+the walk over the steps is `restore.py`). A damaged checkpoint (missing, truncated or altered
+file) is skipped with a warning naming it, moved to `{run}/checkpoints_corrupt/` (so the step can
+be written again), and the previous one is used. A checkpoint that cannot be read for another
+storage reason (permission denied, EIO, ...) is not damaged: the run stops with one line
+(`CheckpointUnavailableError`, exit 1) and nothing is moved. Any other exception is a bug,
+propagates with its traceback and moves nothing. A save that fails (disk full, permission) stops
+the run with one line naming the step, the errno and the newest checkpoint on disk
+(`PendingSave`, `StorageError`, exit 1); an async save's failure is found at the next step
+(`check`).
 
 **Several processes** (`num_processes>1`): every process opens the same manager (a folder all of
 them see) and saves collectively. orbax writes only arrays that span processes, so a pipelined
@@ -51,11 +58,9 @@ checkpoint where one was asked for.
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
+import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,15 +71,23 @@ import numpy as np
 
 from MaxText.checkpoint import parameters
 from MaxText.checkpoint.integrity import (
+    UNAVAILABLE,
+    CheckpointUnavailableError,
     UnreadableCheckpointError,  # noqa: F401 (part of this module's interface)
     check_files,
-    first_cause_line,
-    is_storage_error,
-    verify_arrays,
+    classify,
+    describe_failure,
+    is_storage_error,  # noqa: F401 (part of this module's interface)
 )
-from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for, restore_args
+from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack, placement_for
+from MaxText.checkpoint.pending_save import PendingSave, quiet_abandoned_writes
+from MaxText.checkpoint.restore import (
+    Restored,
+    check_model,
+    restore_latest,
+)
 from MaxText.config import Config, ConfigError
-from MaxText.errors import CheckpointError, UserError
+from MaxText.errors import CheckpointError, StorageError
 
 # orbax is imported where it is used: importing it logs through absl, which installs a root log
 # handler when there is none yet and so would swallow the trainer's `logging.basicConfig`.
@@ -86,18 +99,6 @@ FORMAT_VERSION = 2
 ITEMS = ("state", "data_iter", "rng", "config")
 CORRUPT_DIR = "checkpoints_corrupt"
 
-# Keys that fix the shapes of the saved arrays: a checkpoint restores only into the same model.
-MODEL_KEYS = (
-    "decoder_block",
-    "num_decoder_layers",
-    "emb_dim",
-    "num_query_heads",
-    "num_kv_heads",
-    "head_dim",
-    "mlp_dim",
-    "vocab_size",
-    "logits_via_embedding",
-)
 # Keys that describe how a run is laid out on devices; they may change between save and restore.
 LAYOUT_KEYS = (
     "ici_data_parallelism",
@@ -118,13 +119,24 @@ LAYOUT_KEYS = (
 # --------------------------------------------------------------------------- placement of leaves
 
 
-def _open_manager(directory: str | os.PathLike, config: Config | None, read_only: bool):
+def _open_manager(
+    directory: str | os.PathLike,
+    config: Config | None,
+    read_only: bool,
+    on_written: Any = None,
+):
+    """orbax's manager for `directory`. Writing managers always save through orbax's background
+    thread (`async_checkpointing=false` waits for it at once), so `on_written` runs in every
+    save after every item is written and before the step is made visible (checksums)."""
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else config.max_num_checkpoints_to_keep,
         save_interval_steps=0 if read_only else 1,
-        enable_async_checkpointing=bool(config and config.async_checkpointing) and not read_only,
+        enable_async_checkpointing=not read_only,
+        async_options=None
+        if read_only
+        else ocp.AsyncOptions(post_finalization_callback=on_written),
         cleanup_tmp_directories=not read_only,
         create=not read_only,
         read_only=read_only,
@@ -154,153 +166,14 @@ def find_step_dir(path: str | os.PathLike) -> tuple[Path, int | None]:
     return p, None
 
 
-@dataclasses.dataclass
-class Restored:
-    step: int
-    directory: Path
-    state: Any  # the requested part of the state tree, placed
-    items: dict[str, Any]  # the JSON items read ("config", "rng", "data_iter")
-
-
-def restore_latest(
-    manager: Any,
-    directory: Path,
-    abstract_tree: Any,
-    shardings: Sequence[Any],
-    *,
-    config: Config | None,
-    step: int | None = None,
-    json_items: Sequence[str] = ("config", "rng", "data_iter"),
-    partial: bool = False,
-    restore_as_numpy: bool = False,
-    quarantine: Path | None = None,
-) -> Restored | None:
-    """Reads the newest readable checkpoint of `manager` (or exactly `step`).
-
-    `abstract_tree` gives the structure and shapes to read from the `state` item (all of it, or
-    with `partial` a sub-tree such as `{"params": ...}`); `shardings` one sharding per leaf.
-    Unreadable checkpoints are skipped with a warning (and moved to `quarantine` if given).
-    Returns None when there is no checkpoint at all; raises CheckpointError when none is
-    readable, ConfigError when the checkpoint holds a different model than `config`.
-    """
-    import orbax.checkpoint as ocp
-
-    steps = sorted(manager.all_steps(), reverse=True)
-    if step is not None:
-        if step not in steps:
-            raise CheckpointError(f"no complete checkpoint for step {step} in {directory}")
-        steps = [step]
-    if not steps:
-        return None
-    leaves, treedef = jax.tree.flatten(abstract_tree)
-    if restore_as_numpy:
-        items, args = leaves, [ocp.RestoreArgs(restore_type=np.ndarray) for _ in leaves]
-    else:
-        items, args = restore_args(leaves, shardings)
-    skipped = []
-    for s in steps:
-        step_dir = directory / str(s)
-        restored = error = None
-        try:
-            meta = _read_json(manager, s, step_dir, json_items)
-            if config is not None and "config" in meta:
-                _check_model(meta["config"], config, step_dir)
-            state = _read_state(manager, s, step_dir, treedef, items, args, partial)
-            restored = Restored(step=s, directory=step_dir, state=state, items=meta)
-        except UserError:
-            raise  # the same on every process: it holds another model
-        except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)
-            if not is_storage_error(e):
-                raise  # a bug, not a damaged checkpoint: nothing is skipped or moved
-            error = e
-        readable = _count_everywhere(restored is not None)
-        if readable == jax.process_count():
-            if skipped:
-                manager.reload()
-            return restored
-        if error is None:
-            error = RuntimeError("another process could not read it")
-        # Moved aside only when no process could read it (a checkpoint one process reads is not
-        # corrupt: the others see another filesystem or failed for another reason).
-        _skip(step_dir, error, quarantine if readable == 0 else None, skipped)
-    raise CheckpointError(
-        f"no readable checkpoint in {directory} (skipped {', '.join(skipped)}); move the folder "
-        f"away to start the run from scratch"
-    )
-
-
-def _read_json(manager, step: int, step_dir: Path, names: Sequence[str]) -> dict[str, Any]:
-    import orbax.checkpoint as ocp
-
-    check_files(step_dir, names, state=False)
-    got = manager.restore(
-        step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in names})
-    )
-    return {k: got[k] for k in names}
-
-
-def _check_model(saved: dict, config: Config, step_dir: Path) -> None:
-    if saved.get("format", 1) < 2 and saved.get("scan_layers"):
+def _require_folder(path: str | os.PathLike, directory: Path) -> None:
+    """A checkpoint path must be a folder: say which kind of path it is when it is not."""
+    if Path(path).is_file():
         raise CheckpointError(
-            f"checkpoint {step_dir} was written with scan_layers=true in checkpoint format 1 "
-            f"(layers stacked on disk), which this version no longer reads; re-save it with the "
-            f"version that wrote it, or start a new run_name"
+            f"{path} is a file; give a run folder, its checkpoints folder or one step's folder"
         )
-    wrong = [
-        f"{k}={saved.get(k)!r} in the checkpoint vs {getattr(config, k)!r} now"
-        for k in MODEL_KEYS
-        if saved.get(k) != getattr(config, k)
-    ]
-    if wrong:
-        raise ConfigError(
-            f"checkpoint {step_dir} holds a different model: {'; '.join(wrong)}; "
-            f"use the same model keys or another run_name"
-        )
-
-
-def _read_state(manager, step, step_dir, treedef, items, args, partial: bool) -> Any:
-    """The `state` item's arrays (after reading every stored chunk once, see `verify_arrays`)."""
-    import orbax.checkpoint as ocp
-
-    check_files(step_dir, (), state=True)
-    verify_arrays(step_dir / "state", "params." if partial else "")
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=jax.tree.unflatten(treedef, items),
-                restore_args=jax.tree.unflatten(treedef, args),
-                partial_restore=partial,
-            )
-        ),
-    )["state"]
-    return jax.tree.unflatten(treedef, jax.tree.leaves(restored))
-
-
-def _count_everywhere(flag: bool) -> int:
-    """How many processes passed `flag` (each process calls this in the same order)."""
-    if jax.process_count() == 1:
-        return int(flag)
-    from jax.experimental import multihost_utils
-
-    return int(np.sum(multihost_utils.process_allgather(np.int32(flag))))
-
-
-def _skip(step_dir: Path, error: Exception, quarantine: Path | None, skipped: list[str]) -> None:
-    skipped.append(step_dir.name)
-    where = ""
-    if quarantine is not None and jax.process_index() == 0:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        target = quarantine / f"{step_dir.name}-{stamp}"
-        quarantine.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(step_dir), str(target))
-        where = f"; moved to {target}"
-    log.warning(
-        "checkpoint %s is incomplete or corrupt, skipping it (%s)%s",
-        step_dir,
-        first_cause_line(error),
-        where,
-    )
+    if not directory.is_dir():
+        raise CheckpointError(f"{path} does not exist")
 
 
 def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
@@ -320,8 +193,7 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
             )
         return location.step, saved
     directory, step = find_step_dir(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"{path} does not exist")
+    _require_folder(path, directory)
     manager = _open_manager(directory, None, read_only=True)
     try:
         steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
@@ -330,9 +202,15 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
                 check_files(directory / str(s), ("config",), state=False)
                 got = manager.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
                 return s, got["config"]
-            except Exception as e:  # noqa: BLE001 (storage errors only, see is_storage_error)
-                if not is_storage_error(e):
+            except Exception as e:  # noqa: BLE001 (storage errors only, see integrity.classify)
+                kind = classify(e)
+                if kind is None:
                     raise
+                if kind == UNAVAILABLE:
+                    raise CheckpointUnavailableError(
+                        f"cannot read checkpoint {directory / str(s)}: {describe_failure(e)}; "
+                        f"fix the storage or its permissions and run again"
+                    ) from None
                 log.warning("checkpoint %s is unreadable, skipping it (%s)", directory / str(s), e)
     finally:
         manager.close()
@@ -363,8 +241,7 @@ def read_params(
     if location is not None:
         return _read_parameters_only(location, canonical_params, config, shardings)
     directory, step = find_step_dir(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"{path} does not exist")
+    _require_folder(path, directory)
     manager = _open_manager(directory, None, read_only=True)
     try:
         restored = restore_latest(
@@ -377,6 +254,11 @@ def read_params(
             json_items=("config",),
             partial=True,
             restore_as_numpy=shardings is None,
+            none_readable=(
+                f"{path} belongs to another run, so nothing was moved; point "
+                f"load_parameters_path at a readable checkpoint (a run folder, its checkpoints "
+                f"folder or one step's folder)"
+            ),
         )
     finally:
         manager.close()
@@ -391,7 +273,7 @@ def _read_parameters_only(
     saved = parameters.read_config(location)
     step_dir = location.root / str(location.step)
     if saved is not None and config is not None:
-        _check_model(saved, config, step_dir)
+        check_model(saved, config, step_dir)
     params = parameters.read_params(location, canonical_params, shardings)
     items = {"config": saved or {}}
     return params, Restored(location.step, step_dir, {"params": params}, items)
@@ -422,10 +304,21 @@ class Checkpoints:
         self._layout = CanonicalLayout(trainer.abstract_state)
         self._placement = placement_for(trainer, leaves)
         self._manager = None
+        self.pending = PendingSave(self.directory)
         self.last_save_blocking_s: float | None = None
         if config.enable_checkpointing:
-            logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
-            self._manager = _open_manager(self.directory, config, read_only=False)
+            # orbax's per-save INFO lines, and its own tracebacks of a failed write (reported in
+            # one line by `PendingSave`) unless debug_tracebacks
+            level = logging.WARNING if config.debug_tracebacks else logging.CRITICAL
+            logging.getLogger("absl").setLevel(level)
+            if not config.debug_tracebacks:
+                quiet_abandoned_writes()
+                # orbax's event loops: its abandoned writes' exceptions, logged when collected
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+            self._manager = _open_manager(
+                self.directory, config, read_only=False, on_written=self.pending.record_checksums
+            )
+            self.pending.manager = self._manager
 
     def _state_leaves(self, canonical_leaves: list, indices: Sequence[int]) -> list:
         """Canonical leaves `indices` (as read) -> the state leaves they make, in state order."""
@@ -520,10 +413,15 @@ class Checkpoints:
         return self._manager is not None and (final or step % self.config.checkpoint_period == 0)
 
     def maybe_save(self, step: int, state: Any, data: Any, final: bool) -> None:
+        if self.should_save(step, final):
+            self.save(step, state, data)
+
+    def save(self, step: int, state: Any, data: Any, wait: bool = False) -> None:
+        """Saves `step` (see the module docstring); with `wait` (or `async_checkpointing=false`)
+        returns once it is on disk. Raises StorageError (one line) when the storage fails."""
         import orbax.checkpoint as ocp
 
-        if not self.should_save(step, final):
-            return
+        self.pending.check()  # the previous save: a failure is reported as that step's
         if step in self._manager.all_steps():
             return  # already written (e.g. the run resumed exactly there)
         get_state = getattr(data.train, "get_state", None)
@@ -533,31 +431,57 @@ class Checkpoints:
             )
         tree = self._layout.to_canonical(self._placement.saveable(jax.tree.leaves(state)))
         t0 = time.perf_counter()
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(tree),
-                data_iter=ocp.args.JsonSave(get_state()),
-                rng=ocp.args.JsonSave(rng_item(self.config)),
-                config=ocp.args.JsonSave({"format": FORMAT_VERSION, **self.config.to_dict()}),
-            ),
-            force=True,
-        )
+        try:
+            self.pending.wait()  # orbax would wait inside save(): name the right step on failure
+            self.pending.begin(step)
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(tree),
+                    data_iter=ocp.args.JsonSave(get_state()),
+                    rng=ocp.args.JsonSave(rng_item(self.config)),
+                    config=ocp.args.JsonSave({"format": FORMAT_VERSION, **self.config.to_dict()}),
+                ),
+                force=True,
+            )
+        except StorageError:
+            raise
+        except Exception as e:
+            raise self.pending.failed(step, e) from e
         self.last_save_blocking_s = time.perf_counter() - t0
+        written = wait or not self.config.async_checkpointing
+        if written:
+            self.pending.wait()
         log.info(
             "checkpoint step %d -> %s (%s, %.2f s blocking)",
             step,
             self.directory / str(step),
-            "async" if self.config.async_checkpointing else "written",
+            "written" if written else "async",
             self.last_save_blocking_s,
         )
 
-    def wait(self) -> None:
+    def check(self) -> None:
+        """Raises StorageError if the save in flight already failed (cheap; every step)."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            self.pending.check()
+
+    def wait(self) -> None:
+        """Waits for the save in flight; raises StorageError if it failed."""
+        if self._manager is not None:
+            self.pending.wait()
 
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        """Waits for a save in flight (StorageError if it failed) and releases orbax."""
+        if self._manager is None:
+            return
+        try:
+            self.pending.wait()
+        finally:
+            manager, self._manager = self._manager, None
+            with contextlib.suppress(Exception):  # a failure was reported once already
+                manager.close()
+
+    def abandon(self) -> None:
+        """Forgets orbax without waiting for a save in flight (the process exits at once; the
+        next run removes the unfinished temporary folder)."""
+        self._manager = None

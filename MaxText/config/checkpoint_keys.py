@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-# The model a checkpoint holds (shapes and numerics of the forward pass).
-MODEL_KEYS = (
+# The keys that fix the shapes of a checkpoint's arrays: it restores only into the same shapes.
+SHAPE_KEYS = (
     "decoder_block",
     "num_decoder_layers",
     "emb_dim",
@@ -29,6 +29,10 @@ MODEL_KEYS = (
     "mlp_dim",
     "vocab_size",
     "logits_via_embedding",
+)
+# The model a checkpoint holds (shapes and numerics of the forward pass).
+MODEL_KEYS = (
+    *SHAPE_KEYS,
     "normalization_layer_epsilon",
     "rope_max_timescale",
     "rope_type",

@@ -193,6 +193,7 @@ class Config:
     gradient_accumulation_steps: int = key(ge=1)
     metrics_file: str = key()
     jax_cache_dir: str = key()
+    debug_tracebacks: bool = key()  # full tracebacks for I/O and data errors (else one line)
 
     # ---- derived at load (not keys; never set them in YAML or on the command line). The device
     # counts and the pipeline layout stay 0 / () while `devices_pending`.

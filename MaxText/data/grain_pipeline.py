@@ -36,7 +36,11 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import pathlib
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +51,7 @@ from MaxText.data import doc_packing
 from MaxText.data import iterator as iterator_lib
 from MaxText.data import prepare as prepare_lib
 from MaxText.data.errors import DataError, DataNotFoundError
+from MaxText.exit_codes import first_line
 
 STATE_VERSION = 1
 ENDLESS_DOCUMENTS = 2**40
@@ -89,17 +94,90 @@ class TokenShards:
         names = [pathlib.Path(f).name for f in files]
         self.documents = sum(known[n]["documents"] for n in names if n in known)
         self.tokens = sum(known[n]["tokens"] for n in names if n in known)
+        self.records = [
+            check_shard(f, known.get(n, {}).get("documents"))
+            for f, n in zip(files, names, strict=True)
+        ]
 
     @property
     def tokenizer_path(self) -> pathlib.Path:
         return self.folder / self.manifest["tokenizer"]
 
-    def source(self):
-        return grain.sources.ArrayRecordDataSource(self.files)
+    def source(self) -> CheckedSource:
+        return CheckedSource(self.files, self.records)
 
     def documents_per_window(self, seq_len: int) -> int:
         mean = self.tokens / max(self.documents, 1)
         return max(1, int(WINDOW_ROWS * seq_len / max(mean, 1.0)))
+
+
+def _reread_hint(path: str) -> str:
+    return (
+        f"the shard is damaged or not an ArrayRecord file: write {pathlib.Path(path).parent} "
+        f"again with python -m MaxText.data.prepare"
+    )
+
+
+def check_shard(path: str, documents: int | None) -> int:
+    """Opens shard `path` and returns its record count; DataError naming the file when it is not
+    a readable ArrayRecord file or holds another count than the manifest's `documents`.
+
+    Opening reads the file's footer and index only: a truncated file or one of other bytes shows
+    here (ArrayRecord then finds 0 records), before anything is compiled. Damage inside a chunk
+    is found when the chunk is read (`CheckedSource`).
+    """
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    try:
+        reader = ArrayRecordReader(path)
+        try:
+            count = reader.num_records()
+        finally:
+            reader.close()
+    except (RuntimeError, ValueError, OSError) as e:
+        raise DataError(f"{path}: cannot open ({first_line(e)}); {_reread_hint(path)}") from None
+    if documents is not None and count != documents:
+        raise DataError(
+            f"{path} holds {count} records, its manifest says {documents}; {_reread_hint(path)}"
+        )
+    return count
+
+
+class CheckedSource:
+    """grain's ArrayRecord source over `files`, whose read errors name the shard and record.
+
+    Riegeli (ArrayRecord's format) hashes every chunk, so altered bytes fail the read with
+    "Corrupted Riegeli/records file: chunk header hash mismatch"; this turns that into a
+    `DataError` naming the file (in a grain worker too: the parent re-raises it). Picklable:
+    workers open their own readers.
+    """
+
+    def __init__(self, files: list[str], records: list[int]):
+        self.files = list(files)
+        self.starts = np.cumsum([0, *records]).tolist()
+        self._source = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"files": self.files, "starts": self.starts}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.files, self.starts, self._source = state["files"], state["starts"], None
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> bytes:
+        if self._source is None:
+            self._source = grain.sources.ArrayRecordDataSource(self.files)
+        try:
+            return self._source[index]
+        except (RuntimeError, ValueError, OSError) as e:
+            shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+            path = self.files[max(0, min(shard, len(self.files) - 1))]
+            record = index - self.starts[max(0, shard)]
+            raise DataError(
+                f"{path}: record {record} is unreadable ({first_line(e)}); {_reread_hint(path)}"
+            ) from None
 
 
 class _Decode:
@@ -148,6 +226,25 @@ def train_windows(
     )
 
 
+def _worker_init(_index: int, _count: int) -> None:
+    """Runs first in each grain worker process. The trainer's signals are the trainer's: a Ctrl-C
+    or a scheduler's SIGTERM reaches the whole process group, and a worker that died of it would
+    print a traceback and leave shared memory behind. Workers ignore SIGINT and SIGTERM; the
+    trainer stops them by closing its iterator (grain sets their stop event, then kills what is
+    still alive). Should the trainer die without closing them (SIGKILL), a watcher thread ends
+    the worker once its parent is gone, so none is left running."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _absl_flags_parsed() -> None:
     """grain's worker processes read absl flags (their defaults here): mark them parsed, as an
     absl app would, when the trainer was not started through absl."""
@@ -184,7 +281,10 @@ class GrainBatchIterator(Iterator[dict[str, np.ndarray]]):
         ds = self._windows[self._window :].to_iter_dataset()
         if self.worker_count > 0:
             _absl_flags_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
+            ds = ds.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=self.worker_count),
+                worker_init_fn=_worker_init,
+            )
         self._close()
         self._it = iter(ds)
 

@@ -99,6 +99,12 @@ class Data:
         """A fresh pass over the held-out split (at most `eval_steps` batches if > 0)."""
         return self._eval_factory()
 
+    def close(self) -> None:
+        """Stops the training iterator's worker processes, if it has any (grain)."""
+        close = getattr(self.train, "close", None)
+        if close is not None:
+            close()
+
 
 @dataclasses.dataclass(frozen=True)
 class _Options:

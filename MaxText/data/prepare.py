@@ -21,6 +21,11 @@ text) unless `--tokenizer_path` names one; the second tokenizes and writes.
 A shard holds at most `--shard_size` documents. Files are written under temporary names and
 renamed when complete; manifest.json is written last, so a folder with a manifest is complete.
 A progress bar (bytes of input read) is drawn on stderr unless --quiet.
+
+Errors are one line and exit code 2 (`MaxText/exit_codes.py`): `--out` that cannot be written
+(a file, a read-only folder; checked before any input is read) is a `path error:`; an input that
+is not UTF-8 text (a binary, another encoding) or a jsonl line without a string `text` field is a
+`data error:` naming the file (and line).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from MaxText import exit_codes
+from MaxText.cluster.output_paths import writable_dir
 from MaxText.data import text as text_lib
 from MaxText.data.errors import DataError, DataNotFoundError
 from MaxText.data.text import Document
@@ -118,8 +125,27 @@ def input_files(spec: str) -> list[pathlib.Path]:
     return sorted(files)
 
 
+def _text(raw: bytes, where: str) -> str:
+    """`raw` as UTF-8 text; DataError naming `where` for other bytes (a binary or another
+    encoding would otherwise be tokenized as replacement characters without a word)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert "
+            f"it to UTF-8 or leave it out of --input"
+        ) from None
+    nul = text.find("\0")
+    if nul >= 0:
+        raise DataError(
+            f"{where} looks like a binary file (NUL byte at offset {nul}); leave it out of --input"
+        )
+    return text
+
+
 def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Document]:
-    """The documents of `files`, one file (one jsonl line) in memory at a time."""
+    """The documents of `files`, one file (one jsonl line) in memory at a time. DataError for a
+    file (or jsonl line) that is not UTF-8 text."""
     for path in files:
         if path.suffix == ".jsonl":
             with path.open("rb") as f:
@@ -128,8 +154,9 @@ def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Doc
                         progress.update(len(line))
                     if not line.strip():
                         continue
+                    decoded = _text(line, f"{path}:{lineno}")
                     try:
-                        text = json.loads(line)["text"]
+                        text = json.loads(decoded)["text"]
                     except (ValueError, KeyError, TypeError):
                         raise DataError(
                             f"{path}:{lineno} is not a JSON object with a string field 'text'"
@@ -140,7 +167,7 @@ def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Doc
         raw = path.read_bytes()
         if progress is not None:
             progress.update(len(raw))
-        text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+        text = _text(raw, str(path)).replace("\r\n", "\n")
         if path.suffix == ".md":
             text = text_lib.strip_markdown(text)
         if text.strip():
@@ -179,9 +206,8 @@ def prepare(
         raise DataError(f"--shard_size={shard_size}: must be >= 1")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval_fraction={eval_fraction}: must be in [0, 1)")
+    out = writable_dir(out_dir, "--out")  # before reading any input
     files = input_files(input_spec)
-    out = pathlib.Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST).exists():
         raise DataError(f"--out {out_dir!r} already holds a prepared dataset; use a new folder")
 
@@ -191,8 +217,21 @@ def prepare(
         origin = f"file {tokenizer_path}"
     else:
         bar = _progress_bar(files, "training tokenizer", quiet)
-        train_docs = (d for d in iter_documents(files, bar) if not is_eval(d, eval_fraction))
-        proto = train_sentencepiece(train_docs, vocab_size)
+        failed: list[DataError] = []  # sentencepiece reads the documents in C++ and wraps errors
+
+        def train_docs() -> Iterator[Document]:
+            try:
+                yield from (d for d in iter_documents(files, bar) if not is_eval(d, eval_fraction))
+            except DataError as e:
+                failed.append(e)
+                raise
+
+        try:
+            proto = train_sentencepiece(train_docs(), vocab_size)
+        except ValueError:
+            if failed:
+                raise failed[0] from None
+            raise
         if bar is not None:
             bar.close()
         tokenizer = SentencePieceTokenizer(proto)
@@ -259,26 +298,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    return exit_codes.run(lambda: _run(args))
+
+
+def _run(args) -> int:
     try:
-        m = prepare(
-            args.input,
-            args.out,
-            tokenizer_path=args.tokenizer_path,
-            vocab_size=args.vocab_size,
-            shard_size=args.shard_size,
-            eval_fraction=args.eval_fraction,
-            quiet=args.quiet,
-        )
-    except ValueError as e:
-        print(f"data error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        m = _prepare(args)
+    except ValueError as e:  # the tokenizer's errors (vocab_size too small, ...) are data errors
+        if exit_codes.exit_code_of(e) is not None:
+            raise
+        raise DataError(str(e)) from None
     for split, s in m["splits"].items():
         print(
             f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
             f"{len(s['shards'])} shards -> {args.out}/{split}-*.array_record"
         )
     print(f"tokenizer: {m['vocab_size']} pieces ({m['tokenizer_origin']}); {args.out}/{MANIFEST}")
-    return 0
+    return exit_codes.OK
+
+
+def _prepare(args) -> dict:
+    return prepare(
+        args.input,
+        args.out,
+        tokenizer_path=args.tokenizer_path,
+        vocab_size=args.vocab_size,
+        shard_size=args.shard_size,
+        eval_fraction=args.eval_fraction,
+        quiet=args.quiet,
+    )
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 - `pipeline_schedule=auto`, `num_pipeline_microbatches=auto`: `resolve_schedule`
   (`MaxText.planning.schedule_choice` ranks candidates from one plan of the defaults);
-- `pipeline_stage_layers=auto`: `auto_stage_layers` (`MaxText.planning.stage_balance` on the even
-  split's measured costs);
+- `pipeline_stage_layers=auto`: `plan_layout` (`MaxText.planning.stage_balance` on the even
+  split's measured costs, the chosen split compiled and planned again);
 - `remat_policy=auto`: `plan_remat_auto` (`MaxText.planning.remat_choice`), then compiled again to
   check.
 
@@ -220,13 +220,6 @@ def describe_remat(choice) -> str:
 def _full_step_s(plan: Plan) -> float:
     """`plan`'s predicted step when it was planned with remat full on every stage, else 0."""
     return plan.predicted["step_time_s"] if set(plan.stage_remat) == {"full"} else 0.0
-
-
-def auto_stage_layers(config, even: Plan, hardware: Hardware):
-    """The balanced split for `config` from the even split's plan (None if nothing fits)."""
-    from MaxText.planning.stage_balance import balance
-
-    return balance(even.stage_costs, config.num_decoder_layers, hardware.memory_bytes)
 
 
 def resolve_schedule(config, hardware: Hardware, base: Plan | None = None):

@@ -6,12 +6,13 @@ abstract inputs (`jax.ShapeDtypeStruct`s): emulated devices as needed, no parame
 From the compiled program they read, per pipeline group and per device:
 
 - parameters, optimizer state (everything else in the train state), gradient accumulators, peak
-  forward activations (the schedule's in-flight microbatches, from the engine's own program
-  replayed statically: `jaxpp_integration.tools.memory`), XLA temporaries (the largest
-  `memory_analysis().temp_size_in_bytes` of the group's tasks) and the total peak (live values at
-  every instruction plus the running task's temporaries);
-- the predicted step time: each task costs max(FLOPs / (peak x efficiency), bytes / HBM
-  bandwidth) from the compiled task's `cost_analysis()`, activations cross groups at the link's
+  forward activations (the schedule's in-flight microbatches, from the engine's memory events
+  replayed statically: `compiled.report().memory(per_device=True, temps=True)`), XLA temporaries
+  (the largest `temp_bytes` of the group's tasks) and the total peak (live values at every
+  instruction plus the running task's temporaries); the in-place update (the after-loop tasks
+  consume the state) is in those events;
+- the predicted step time: each task of the report costs max(FLOPs / (peak x efficiency), bytes /
+  HBM bandwidth) from the compiled task's cost analysis, activations cross groups at the link's
   bandwidth, and the simulator (`jaxpp_integration.schedules.simulate`) replays the schedule with
   those costs; before- and after-loop work (the optimizer) is added per group. MFU = the model
   FLOPs of `MaxText.planning.flops` / (devices x step time x peak);
@@ -70,6 +71,9 @@ class Plan:
     rows_per_microbatch: float = 0.0  # one microbatch's batch rows on each device
     remat: Any = None  # remat_choice.RematChoice when remat_policy=auto chose the policies
     gradient_reduction: str = "step"
+    task_seconds: dict = dataclasses.field(default_factory=dict)  # (Phase, stage) -> s
+    transfer_s: float = 0.0  # one stage boundary crossing (activation or cotangent)
+    num_layers: int = 0  # decoder layers: a stage holds at least one, so stages <= layers
     gradients: dict | None = None  # `gradient_communication` of the compiled step
 
     def as_json(self) -> dict[str, Any]:
@@ -105,9 +109,16 @@ def _suggestion(g: GroupPlan, plan: Plan) -> str:
             f"gradient_reduction=microbatch accumulates gradients sharded like the parameters "
             f"({format_bytes(g.grad_bytes)} -> about {format_bytes(g.params_bytes)})"
         )
+    stages = len(plan.stage_layers) or 1
+    more_stages = (
+        f"more pipeline stages (pipeline_parallelism; at most {plan.num_layers} stages, one "
+        f"layer each) or ici_fsdp_parallelism"
+        if stages < plan.num_layers
+        else f"ici_fsdp_parallelism (every stage already holds one of the {plan.num_layers} layers)"
+    )
     state = g.params_bytes + g.optimizer_bytes + g.grad_bytes
     if state > plan.memory_bytes / 2:
-        tips.append("more pipeline stages (pipeline_parallelism) or ici_fsdp_parallelism")
+        tips.append(more_stages)
     if g.activation_bytes + g.temp_bytes > g.peak_bytes / 3:
         remat = "remat_policy=auto or full, " if set(plan.stage_remat) != {"full"} else ""
         tips.append(
@@ -115,7 +126,7 @@ def _suggestion(g: GroupPlan, plan: Plan) -> str:
             f"per_device_batch_size (activations {format_bytes(g.activation_bytes)}, temporaries "
             f"{format_bytes(g.temp_bytes)})"
         )
-    return f" (try {'; '.join(tips)})" if tips else " (try more pipeline stages or fsdp)"
+    return f" (try {'; '.join(tips or [more_stages])})"
 
 
 # ---------------------------------------------------------------------------------- building
@@ -128,30 +139,31 @@ def _state_kind(path) -> str:
     return "params" if getattr(path[1], "key", None) == "params" else "optimizer"
 
 
-def _cost(executable, hardware: Hardware, jaxpr_or_eqns=None, devices: int = 1):
-    """(FLOPs, bytes) per device of one compiled program, for `hardware.task_seconds`.
+def _cost(task, hardware: Hardware) -> tuple[float, float]:
+    """(FLOPs, bytes) per device of one task of the engine's report, for `hardware.task_seconds`.
 
     FLOPs: XLA's `cost_analysis()` counts a loop's body once, so a scanned stage would look
-    `layers` times cheaper; the program's own matmul FLOPs (`flops.matmul_flops`, scans counted
-    per iteration, split over the `devices` running it) are used when larger. Bytes: XLA's bytes
+    `layers` times cheaper; the task's own matmul FLOPs (`report.matmul_flops`, scans counted
+    per iteration, split over the devices running it) are used when larger. Bytes: XLA's bytes
     accessed (scaled like the FLOPs) when the compiling backend is the one that will run
     (`hardware.compiler_bytes`); for a preset planned elsewhere, the program's arguments and
     outputs (`memory_analysis()`), the traffic any backend must do: XLA:CPU's fusion, and so
     its traffic, says little about a GPU's."""
-    from MaxText.planning.flops import matmul_flops
+    return _roofline_inputs(
+        task.flops,
+        task.bytes_accessed,
+        task.matmul_flops / task.devices,
+        task.argument_bytes + task.output_bytes,
+        hardware,
+    )
 
-    ca = executable.cost_analysis()
-    ca = ca[0] if isinstance(ca, list) else ca
-    ca = ca or {}
-    flops, nbytes = float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
-    if jaxpr_or_eqns is not None:
-        counted = matmul_flops(jaxpr_or_eqns) / devices
-        if counted > flops:
-            nbytes *= counted / flops if flops else 1.0
-            flops = counted
+
+def _roofline_inputs(flops, nbytes, counted, io_bytes, hardware: Hardware):
+    if counted > flops:
+        nbytes *= counted / flops if flops else 1.0
+        flops = counted
     if not hardware.compiler_bytes:
-        m = executable.memory_analysis()
-        nbytes = float(m.argument_size_in_bytes + m.output_size_in_bytes)
+        nbytes = float(io_bytes)
     return flops, nbytes
 
 
@@ -175,51 +187,41 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     )
     t0 = time.perf_counter()
     with sharding.axis_rules():  # as the trainer compiles it
-        compiled = fn.compile(abstract_state, ts._batch_shapes(config))
+        compiled = fn.compile(abstract_state, ts.batch_shapes(config))
     log.info("plan: step compiled on abstract inputs in %.1f s", time.perf_counter() - t0)
     return plan_compiled(config, hardware, compiled, abstract_state)
 
 
 def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     """The plan read off an already compiled pipelined step (the planner's abstract one, or the
-    trainer's own `trainer.train_step`, as the validation against measured bytes does)."""
+    trainer's own `trainer.train_step`), through the engine's report (`compiled.report()`)."""
     import jax
 
-    from jaxpp_integration.compiler.program import Run, Transfer
     from jaxpp_integration.schedules import Phase
     from jaxpp_integration.schedules.simulate import Costs, simulate
-    from jaxpp_integration.tools import memory
 
-    schedule = compiled.schedule
-    prog = compiled.program
-    nbytes = memory.shard_bytes(prog, compiled.slot_sharding)
+    report = compiled.report()
+    schedule = report.schedule
+    seconds = {t.index: hardware.task_seconds(*_cost(t, hardware)) for t in report.tasks}
+    peaks = report.memory(per_device=True, temps=True)
 
-    temp, seconds = {}, {}
-    per_group = config.num_devices // prog.mpmd_dim  # devices running each task
-    for idx, ins in enumerate(prog.instrs):
-        if isinstance(ins, Run):
-            exe = compiled.executables[idx]
-            temp[idx] = int(exe.memory_analysis().temp_size_in_bytes)
-            seconds[idx] = hardware.task_seconds(*_cost(exe, hardware, ins.code.eqns, per_group))
-    peaks = memory.replay(prog, nbytes, temp_bytes=temp)
-
-    n = prog.mpmd_dim
+    n = report.num_groups
     params, opt, layer_params = [0] * n, [0] * n, [0] * n
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((abstract_state, 0))[0]][:-1]
-    for path, slots in zip(paths, prog.inputs):
+    for path, inp in zip(paths, report.inputs):
         kind = _state_kind(path)
         in_layer = any(str(getattr(k, "key", "")).startswith("layers") for k in path)
-        for r, s in slots.items():
+        for r, nbytes in inp.device_bytes.items():
             if kind == "params":
-                params[r] += nbytes[s]
+                params[r] += nbytes
             elif kind == "optimizer":
-                opt[r] += nbytes[s]
+                opt[r] += nbytes
             if in_layer and kind == "params":
-                layer_params[r] += nbytes[s]
+                layer_params[r] += nbytes
     zeros = (0,) * n
     groups = []
     for r in range(n):
-        group_temp = max((t for i, t in temp.items() if prog.instrs[i].code.rank == r), default=0)
+        group_temp = max((t.temp_bytes for t in report.tasks_of(r)), default=0)
         groups.append(
             GroupPlan(
                 group=r,
@@ -236,19 +238,14 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     # Step time: loop tasks through the simulator, before/after-loop work added per group.
     per_task: dict = {}
     outside = [0.0] * n
-    transfer_bytes, loop_made = 0, set()
-    for idx, ins in enumerate(prog.instrs):
-        if isinstance(ins, Run):
-            code = ins.code
-            if code.kind == "loop":
-                key = (code.phase, code.stage)
-                per_task[key] = max(per_task.get(key, 0.0), seconds[idx])
-                loop_made.update(ins.outs)
-            else:
-                outside[code.rank] += seconds[idx]
-        elif isinstance(ins, Transfer) and ins.src in loop_made:
-            # a stage boundary (activation forward, its gradient backward)
-            transfer_bytes = max(transfer_bytes, nbytes[ins.dst])
+    for t in report.tasks:
+        if t.kind == "loop":
+            key = (t.phase, t.stage)
+            per_task[key] = max(per_task.get(key, 0.0), seconds[t.index])
+        else:
+            outside[t.group] += seconds[t.index]
+    # a stage boundary (activation forward, its gradient backward)
+    transfer_bytes = max((t.device_bytes for t in report.transfers if t.from_loop), default=0)
     for stage in range(schedule.num_stages):  # a task with no work of its own (the last
         for phase in Phase:  # stage's backward folded into its forward) costs nothing
             per_task.setdefault((phase, stage), NO_WORK_S)
@@ -266,6 +263,8 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
         stage_remat=tuple(config.stage_remat),
         live_microbatches=tuple(sim.peak_live_activations),
         rows_per_microbatch=config.microbatch_size / config.data_parallel_devices,
+        task_seconds=dict(per_task),
+        transfer_s=costs.transfer,
     )
 
 
@@ -404,6 +403,7 @@ def plan_spmd(config, hardware: Hardware) -> Plan:
     import jax
     from jax.sharding import NamedSharding
 
+    from jaxpp_integration.tools.report import matmul_flops, xla_costs
     from MaxText import sharding
     from MaxText import train_step as ts
     from MaxText.model import Decoder
@@ -421,7 +421,7 @@ def plan_spmd(config, hardware: Hardware) -> Plan:
     )
     batch_in = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-        for k, v in ts._batch_shapes(config).items()
+        for k, v in ts.batch_shapes(config).items()
     }
     with jax.set_mesh(mesh), sharding.axis_rules():
         exe = jax.jit(step, donate_argnums=(0,)).lower(state_in, batch_in).compile()
@@ -439,8 +439,11 @@ def plan_spmd(config, hardware: Hardware) -> Plan:
     peak = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + temp)
     # SPMD: gradients and activations live inside XLA's temporaries
     groups = [GroupPlan(0, params, opt, 0, 0, temp, peak)]
-    step_time = hardware.task_seconds(*_cost(exe, hardware, jaxpr.jaxpr, config.num_devices))
-    return _finish(config, hardware, groups, None, step_time, 0.0)
+    c = xla_costs(exe)
+    counted = matmul_flops(jaxpr.jaxpr) / config.num_devices
+    io_bytes = c.argument_bytes + c.output_bytes
+    flops, nbytes = _roofline_inputs(c.flops, c.bytes_accessed, counted, io_bytes, hardware)
+    return _finish(config, hardware, groups, None, hardware.task_seconds(flops, nbytes), 0.0)
 
 
 def _prod(shape) -> int:
@@ -467,6 +470,7 @@ def _finish(config, hardware, groups, schedule, step_time, bubble) -> Plan:
         memory_bytes=hardware.memory_bytes,
         stage_remat=tuple(config.stage_remat),
         gradient_reduction=config.gradient_reduction,
+        num_layers=config.num_decoder_layers,
     )
 
 

@@ -1,8 +1,16 @@
-"""Accelerators the planner plans for: memory per device, peak FLOP/s, bandwidths.
+"""Accelerators: dense peak FLOP/s per device, and what the planner plans for (memory per device,
+peak, bandwidths).
 
-`HARDWARE` holds the presets (`--hardware h100|h200|a100`), `cpu_hardware` this host shared by
-emulated devices, `local_hardware` the devices this process trains on (read from JAX). A task's
-predicted time is a roofline: max(FLOPs / (peak x efficiency), bytes / HBM bandwidth).
+`GPU_PEAK_TFLOPS` is the one table of GPU peaks (the trainer's MFU and the planner's presets read
+it); `cpu_peak_tflops` the one CPU estimate; `peak_tflops` the peak of the device a run trains on.
+`HARDWARE` holds the planner's presets (`--hardware h100|h200|a100`), `cpu_hardware` this host
+shared by emulated devices, `local_hardware` the devices this process trains on (read from JAX).
+A task's predicted time is a roofline: max(FLOPs / (peak x efficiency), bytes / HBM bandwidth).
+
+Peaks are dense (no sparsity) tensor-core figures for the compute dtype: bf16/fp16 for
+`dtype=bfloat16|float16`, TF32 for `dtype=float32` (what XLA uses for f32 matmuls on these GPUs
+by default). On CPU the peak is an estimate: cores x FLOPs/cycle x clock, shared evenly by the
+emulated devices; the trainer's log line says so.
 """
 
 from __future__ import annotations
@@ -11,6 +19,82 @@ import dataclasses
 import os
 
 GB = 1e9
+
+# device_kind substring -> (bf16/fp16 dense TFLOP/s, tf32 dense TFLOP/s). Longest match wins.
+GPU_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "B200": (2250.0, 1100.0),
+    "GB200": (2500.0, 1250.0),
+    "H200": (989.0, 494.0),
+    "GH200": (989.0, 494.0),
+    "H100": (989.0, 494.0),  # SXM
+    "H100 PCIe": (756.0, 378.0),
+    "H100 NVL": (835.0, 418.0),
+    "H800": (989.0, 494.0),
+    "A100": (312.0, 156.0),
+    "A800": (312.0, 156.0),
+    "A10G": (70.0, 35.0),
+    "A10": (125.0, 62.5),
+    "L40S": (362.0, 183.0),
+    "L40": (181.0, 90.5),
+    "L4": (121.0, 60.0),
+    "A6000": (154.8, 77.4),
+    "RTX 4090": (165.2, 82.6),
+    "RTX 3090": (71.0, 35.6),
+    "V100": (125.0, 15.7),  # no TF32: f32 runs at the CUDA-core rate
+    "T4": (65.0, 8.1),
+}
+
+# CPU estimate: f32 FLOPs per cycle per core (2 FMA units x 8 lanes x 2 for AVX2, x16 lanes for
+# AVX-512) and an assumed 2.5 GHz clock.
+CPU_ASSUMED_GHZ = 2.5
+
+
+def cpu_flops_per_cycle() -> int:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return 32
+    return 64 if "avx512f" in flags else 32
+
+
+def cpu_peak_tflops() -> float:
+    """This host's estimated f32 peak, all cores."""
+    return (os.cpu_count() or 1) * cpu_flops_per_cycle() * CPU_ASSUMED_GHZ * 1e9 / 1e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    tflops: float  # per device
+    source: str  # what the figure is, for the log
+    estimate: bool  # True on CPU (and for unknown devices): MFU is then labelled an estimate
+
+
+def peak_tflops(config, platform: str, device_kind: str) -> Peak:
+    """Peak dense TFLOP/s of one device for `config.dtype` (see the module docstring)."""
+    if config.peak_tflops_per_device > 0:
+        return Peak(config.peak_tflops_per_device, "peak_tflops_per_device", estimate=False)
+    if platform == "cpu":
+        per_device = cpu_peak_tflops() / max(config.num_devices, 1)
+        shared = f" / {config.num_devices} emulated devices" if config.num_devices > 1 else ""
+        return Peak(
+            per_device,
+            f"CPU estimate: {os.cpu_count() or 1} cores x {cpu_flops_per_cycle()} f32 FLOP/cycle "
+            f"x {CPU_ASSUMED_GHZ} GHz{shared}",
+            estimate=True,
+        )
+    matches = [name for name in GPU_PEAK_TFLOPS if name.lower() in device_kind.lower()]
+    if matches:
+        name = max(matches, key=len)
+        low_precision, tf32 = GPU_PEAK_TFLOPS[name]
+        value = tf32 if config.dtype == "float32" else low_precision
+        kind = "tf32" if config.dtype == "float32" else config.dtype
+        return Peak(value, f"{name} dense {kind} peak", estimate=False)
+    return Peak(
+        0.0,
+        f"unknown device '{device_kind}': set peak_tflops_per_device= for MFU",
+        estimate=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,24 +121,21 @@ class Hardware:
 
 # SXM parts; link = one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), the usual inter-node fabric
 # a pipeline crosses. Override any figure with --memory-gb, --peak-tflops, --hbm-gbps, --link-gbps.
+# The presets plan in bf16: their peak is the table's bf16 column.
 HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("h100", 80 * GB, 989.0, 3350.0, 50.0),
-    "h200": Hardware("h200", 141 * GB, 989.0, 4800.0, 50.0),
-    "a100": Hardware("a100", 80 * GB, 312.0, 2039.0, 25.0),
+    "h100": Hardware("h100", 80 * GB, GPU_PEAK_TFLOPS["H100"][0], 3350.0, 50.0),
+    "h200": Hardware("h200", 141 * GB, GPU_PEAK_TFLOPS["H200"][0], 4800.0, 50.0),
+    "a100": Hardware("a100", 80 * GB, GPU_PEAK_TFLOPS["A100"][0], 2039.0, 25.0),
 }
 
 
 def cpu_hardware(num_devices: int) -> Hardware:
     """This host, shared by the emulated devices (the trainer's CPU estimate of the peak)."""
-    from MaxText.planning.flops import CPU_ASSUMED_GHZ, _cpu_flops_per_cycle
-
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    cores = os.cpu_count() or 1
-    peak = cores * _cpu_flops_per_cycle() * CPU_ASSUMED_GHZ * 1e9 / 1e12
     return Hardware(
         "cpu",
         pages / num_devices,
-        peak / num_devices,
+        cpu_peak_tflops() / num_devices,
         10.0,
         2.0,
         efficiency=0.5,
@@ -65,8 +146,6 @@ def cpu_hardware(num_devices: int) -> Hardware:
 def local_hardware(config) -> Hardware:
     """The devices this process trains on, for the trainer's own planning (`auto` keys)."""
     import jax
-
-    from MaxText.planning.flops import peak_tflops
 
     device = jax.devices()[0]
     if device.platform == "cpu":

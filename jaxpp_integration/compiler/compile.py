@@ -49,7 +49,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
-from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpp_integration.compiler.blocks import ChainedExecutable, group_parts, independent_parts
@@ -757,10 +757,6 @@ def compile_program(
     need = _needed_here(prog, local) if len(local) < mpmd_mesh.mpmd_dim else slot_sharding
     lazy = lambda s: isinstance(slot_sharding[s], _Remote) or callable(slot_sharding[s])  # noqa: E731
     return executables, {s: resolve(s) for s in slot_sharding if s in need or not lazy(s)}, stats
-
-
-def literal_value(v):
-    return v.val if isinstance(v, Literal) else None
 
 
 def _named(fn, name: str):

@@ -319,10 +319,6 @@ def _split_backward(clusters, outvars):
     return out
 
 
-def is_literal(v) -> bool:
-    return isinstance(v, Literal)
-
-
 def _constant_closure(v, made_by) -> list:
     """The equations computing constant `v`, inputs first."""
     out, seen, todo = [], set(), [(made_by[v], False)]

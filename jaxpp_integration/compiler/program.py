@@ -6,7 +6,7 @@ instructions over numbered value slots, each slot living on one rank.
 - `Run`: run one task (`before_loop_r`, `fwd_s`/`bwd_s` for a microbatch, `after_loop_r_k`);
 - `Transfer`: copy a slot to another rank (inserted right after the producer, so it overlaps);
 - `Fill`: a fresh accumulator from a host value (a rank with no other work before the loop);
-- `Delete`: free a slot after its last use (never a step input unless donated, never an output).
+- `Delete`: free a slot after its last use (`lifetimes.add_deletes`, the next pass).
 
 Loop task instances are ordered by a list-scheduling replay of `schedule.tasks(n)` with costs
 fwd=1, bwd=2, which also checks the data dependencies. Accumulators are updated in place
@@ -16,6 +16,7 @@ fwd=1, bwd=2, which also checks the data dependencies. Accumulators are updated 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -97,35 +98,47 @@ class Program:
     constants: dict  # slot -> numpy value (index scalars, literals)
     mpmd_dim: int
     slot_spec: dict = dataclasses.field(default_factory=dict)  # slot -> spec a Fill must use
+    num_microbatches: int = 0
 
 
 _INDEX_AVAL = jax.core.ShapedArray((), np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """What `build_program` turns into a `Program`: the traced step and the earlier passes'
+    results. `deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
+    `loop_body`, the rewritten body), summed once after the loop, or the PartitionSpec of such a
+    partial (`reduction_plan`); None: reduced as it is made;
+    `gather_specs`: loop constants gathered once per step (`pipeline_fsdp_ag_once`) and their
+    layouts; `reduce_specs[j]`: the layout the once-per-step sum of output j is reduced to."""
+
+    closed: Any  # the traced step (a ClosedJaxpr)
+    placement: Placement
+    body: PartitionedBody
+    schedule: Any
+    n_mb: int  # microbatches
+    ops: tuple  # treduce operation per loop output
+    axis: int  # the microbatch axis of the loop's inputs
+    loop_need: dict  # loop input (top-level var) -> ranks of the loop tasks reading it
+    deferred: list | None = None
+    loop_body: Any = None
+    gather_specs: dict | None = None
+    reduce_specs: list | None = None
+
+
 class _Builder:
     """Builds one `Program`; each section of the step has one method, called in order."""
 
-    def __init__(
-        self,
-        closed,
-        placement: Placement,
-        body: PartitionedBody,
-        schedule,
-        n_mb,
-        ops,
-        axis,
-        loop_need: dict,
-        deferred: list | None = None,
-        loop_body=None,
-        gather_specs: dict | None = None,
-        reduce_specs: list | None = None,
-    ):
-        self.jaxpr = closed.jaxpr
-        self.reduce_specs = reduce_specs or [None] * len(placement.loop_eqn.outvars)
-        self.gather_specs = gather_specs or {}  # loop constant -> spec to gather it to
+    def __init__(self, parts: StepParts):
+        placement, body, schedule = parts.placement, parts.body, parts.schedule
+        self.jaxpr = parts.closed.jaxpr
+        self.reduce_specs = parts.reduce_specs or [None] * len(placement.loop_eqn.outvars)
+        self.gather_specs = parts.gather_specs or {}  # loop constant -> spec to gather it to
         self.gathered: dict = {}  # (loop constant, rank) -> slot of its gathered copy
         self.placement, self.body, self.schedule = placement, body, schedule
-        self.n_mb, self.ops, self.axis, self.loop_need = n_mb, ops, axis, loop_need
+        self.n_mb, self.ops, self.axis = parts.n_mb, parts.ops, parts.axis
+        self.loop_need = parts.loop_need
         self.mpmd_dim = schedule.mpmd_dim
         self.slot_rank, self.slot_aval, self.slot_kind = [], [], []
         self.instrs: list = []
@@ -141,8 +154,8 @@ class _Builder:
         self.acc_rank = [schedule.stage_to_rank(stage) for stage, _ in body.output_owner]
         self.free_out = {o for e in placement.free_eqns for o in e.outvars}
         # gradient_reduction="step": body outputs kept as partial sums [D, ...] over these axes
-        self.deferred = deferred or [None] * len(loop_eqn.outvars)
-        self.body_out_avals = (loop_body or loop_eqn.params["body"]).out_avals
+        self.deferred = parts.deferred or [None] * len(loop_eqn.outvars)
+        self.body_out_avals = (parts.loop_body or loop_eqn.params["body"]).out_avals
         self.slot_spec: dict = {}
 
     def acc_aval(self, j):
@@ -447,37 +460,8 @@ class _Builder:
         ]
 
 
-def build_program(
-    closed,
-    placement: Placement,
-    body: PartitionedBody,
-    schedule,
-    n_mb,
-    ops,
-    axis,
-    loop_need: dict,
-    deferred: list | None = None,
-    loop_body=None,
-    gather_specs: dict | None = None,
-    reduce_specs: list | None = None,
-) -> Program:
-    """`deferred[j]`: the data axes body output j is a partial sum over ([D, ...] in
-    `loop_body`, the rewritten body), summed once after the loop, or the PartitionSpec of such a
-    partial (`reduction_plan`); None: reduced as it is made."""
-    b = _Builder(
-        closed,
-        placement,
-        body,
-        schedule,
-        n_mb,
-        ops,
-        axis,
-        loop_need,
-        deferred,
-        loop_body,
-        gather_specs,
-        reduce_specs,
-    )
+def build_program(parts: StepParts) -> Program:
+    b = _Builder(parts)
     inputs = b.step_inputs()
     b.before_loop()
     b.loop()
@@ -493,6 +477,7 @@ def build_program(
         b.constants,
         b.mpmd_dim,
         b.slot_spec,
+        num_microbatches=parts.n_mb,
     )
 
 
@@ -558,40 +543,3 @@ def _reads(eqns):
             if isinstance(v, Var) and v not in local and v not in out:
                 out.append(v)
     return out
-
-
-def add_deletes(prog: Program, donated_inputs: set) -> Program:
-    """Inserts a Delete after each slot's last use (or right after it is made, if unused)."""
-    keep = {s for slots in prog.outputs for s in slots.values()}
-    keep |= set(prog.constants)
-    for i, slots in enumerate(prog.inputs):
-        if i not in donated_inputs:
-            keep |= set(slots.values())
-    last_use: dict = {}
-    for idx, ins in enumerate(prog.instrs):
-        if isinstance(ins, Run):
-            for s in ins.ins:
-                last_use[s] = idx
-            for s in ins.outs:
-                last_use.setdefault(s, idx)
-        elif isinstance(ins, Transfer):
-            last_use[ins.src] = idx
-            last_use.setdefault(ins.dst, idx)
-        elif isinstance(ins, Fill):
-            last_use.setdefault(ins.slot, idx)
-    donated_by_run = set()
-    for ins in prog.instrs:
-        if isinstance(ins, Run):
-            donated_by_run.update(ins.ins[d] for d in ins.donate)
-    frees: dict = {}
-    for s, idx in last_use.items():
-        if s in keep:
-            continue
-        frees.setdefault(idx, []).append(s)
-    out = []
-    for idx, ins in enumerate(prog.instrs):
-        out.append(ins)
-        for s in sorted(frees.get(idx, ())):
-            out.append(Delete(s, prog.slot_rank[s], donated=s in donated_by_run))
-    prog.instrs = out
-    return prog

@@ -44,13 +44,13 @@ class MpmdArray:
         return self._mpmd_idxs
 
     @property
-    def is_partially_addressable(self) -> bool:
-        return tuple(self._arrays) != self._mpmd_idxs
-
-    @property
     def arrays(self) -> dict[int, jax.Array]:
-        """Group index → that group's `jax.Array` (public accessor)."""
+        """Group index → that group's `jax.Array` (public accessor; a copy of the mapping)."""
         return dict(self._arrays)
+
+    def array_on(self, group: int) -> jax.Array | None:
+        """Group `group`'s `jax.Array`, or None when this process holds no copy there."""
+        return self._arrays.get(group)
 
     @property
     def _partially_addressable_arrays(self) -> collections.OrderedDict:

@@ -3,15 +3,25 @@
 One Python thread issues every instruction in program order; JAX's asynchronous dispatch lets
 groups run concurrently (a task waits only on its inputs). Transfers copy each shard to the
 target group's matching device (runs of consecutive transfers in one runtime call,
-`jax_compat.copy_shards`; `jax.device_put` when the layouts differ); transfers to another
-process go by batches, one collective program each (`transfer.py`); deletes free buffers
-deterministically.
+`jax_compat.shard_copier`; `jax.device_put` when the layouts differ); transfers to another
+process go by batches, one collective program each (`transfer.py`); runs of consecutive fills
+are one `jax.device_put`.
 
-Each step returns the logical memory report of `memory.replay` (bytes alive per group after
-every instruction, from shapes in program order) and, when asked, measured per-task start/end
-times. `measuring_device_bytes()` checks the logical figures: inside it, every step also records
-the bytes of the device buffers actually alive per device after each instruction (slow; off
-unless that context is active).
+Everything constant per compiled program is worked out once (`prepare` -> `Walk`): the
+executable, input and output slots of every task, the transfer batches, and the releases. A
+`Delete` is folded into the instruction before it: the runtime drops its reference to the
+value, which frees the buffer then and there (nothing else holds the engine's own values); only
+a step input the caller donated, which the caller may still reference, is deleted explicitly.
+The logical memory report (`tools.memory`) is a property of the program, computed once.
+
+Device-bytes measurement (`execute(..., probe=DeviceBytes(...))`, the trainer's first step):
+the bytes of the buffers alive on every device after each instruction, tracked from the
+program's own allocation and free events (each value's shard bytes per device, from its
+sharding; a donated input counts as freed once JAX marks it deleted), so it costs
+O(instructions) and waits for nothing. It is checked once against the device buffers actually
+alive (a scan of `jax.live_arrays()`) at the instruction where the program's logical peak is
+(plus one scan before the step, to leave out what was alive before it);
+`scanning_device_bytes()` is the former per-instruction scan, kept for tests and debugging.
 """
 
 from __future__ import annotations
@@ -24,117 +34,387 @@ import time
 import jax
 
 from jaxpp_integration.compiler.program import Delete, Fill, Program, Run, Transfer
-from jaxpp_integration.jax_compat import copy_shards, same_shard_layout
+from jaxpp_integration.jax_compat import same_shard_layout, shard_copier
 from jaxpp_integration.runtime.transfer import plan_cross_process
 from jaxpp_integration.tools import memory
 
+_RUN, _COPY, _CROSS, _FILL, _RELEASE = range(5)
 
-def execute(
-    prog: Program,
-    executables,
-    slot_sharding,
-    inputs: dict,
-    *,
-    record_times=False,
-    local_ranks=None,
-    watchdog=None,
-):
-    """Runs `prog`. `inputs` maps input slots to arrays already on their groups.
 
-    Multi-controller: only `local_ranks` run here; transfers between a local and a remote group
-    are collectives both processes issue in program order, one per batch (`prepare`). The byte
-    accounting is kept for every group alike (computed from shapes, not read off devices). A
-    `watchdog` (several processes, `pipeline_hang_timeout_s`) is told each instruction as it is
-    dispatched and is handed every cross-process batch's result."""
-    if local_ranks is None:
-        local_ranks = frozenset(range(prog.mpmd_dim))
+@dataclasses.dataclass
+class Op:
+    """One step of the walk: an instruction (or a run of local transfers) and the releases that
+    follow it. `drop`: slots whose value the runtime lets go of; `kill`: step inputs the caller
+    donated, deleted explicitly; `deletes`: (instruction index, slot) of the folded Deletes."""
+
+    kind: int
+    index: int  # the (first) instruction's index
+    args: tuple
+    drop: tuple = ()
+    kill: tuple = ()
+    deletes: tuple = ()
+
+
+@dataclasses.dataclass
+class Walk:
+    """What `execute` needs of one compiled program on this process, computed once."""
+
+    prog: Program
+    executables: dict  # instruction index -> executable (the compiled function's own dict)
+    ops: list
+    constants: dict  # slot -> array on its group's devices
+    slot_sharding: dict
+    local_ranks: frozenset
+    input_slots: tuple  # the step inputs this process holds
+    slot_device_bytes: list  # per slot: ((device id, bytes), ...)
+    mpmd_axis: str | None = None
+    cross_batches: dict = dataclasses.field(default_factory=dict)  # see `prepare`
+    _memory: memory.MemoryReport | None = None
+    _check_at: int | None = None
+
+    @property
+    def memory(self) -> memory.MemoryReport:
+        """Logical bytes per group over a step (whole arrays; step inputs of this process)."""
+        if self._memory is None:
+            nbytes = [memory.slot_nbytes(a) for a in self.prog.slot_aval]
+            self._memory = memory.replay(self.prog, nbytes, input_slots=self.input_slots)
+        return self._memory
+
+    def device_peak_index(self) -> int:
+        """The instruction after which a device of this process holds the most logical bytes
+        (the largest device of each group; the first such instruction); computed once."""
+        if self._check_at is None:
+            largest = [max((b for _, b in p), default=0) for p in self.slot_device_bytes]
+            report = memory.replay(self.prog, largest, input_slots=self.input_slots)
+            group = max(self.local_ranks, key=lambda r: (report.peak_bytes[r], -r))
+            self._check_at = report.peak_index[group]
+        return self._check_at
+
+
+def prepare(
+    prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=None, owners=None
+) -> Walk:
+    """Puts the program's constants on this process's groups once and turns its instructions
+    into the ops `execute` walks (see the module docstring). Several processes (`owners[r]`:
+    the process of group r): plans the batches of cross-process transfers
+    (`transfer.plan_cross_process`), which compiles their programs and allocates their receive
+    buffers; a batch runs at its first transfer."""
+    local = frozenset(local_ranks)
+    cross = {}
+    if owners is not None and len(set(owners)) > 1:
+        cross = plan_cross_process(prog, slot_sharding, owners, local, mpmd_axis)
+    input_slots = {s for slots in prog.inputs for r, s in slots.items() if r in local}
+    caller_donated = input_slots  # an input the program deletes was donated by the caller
+    ops: list = []
+    current: Op | None = None  # the op the following Deletes fold into
+    instrs = prog.instrs
+    idx = 0
+    while idx < len(instrs):
+        ins = instrs[idx]
+        op = None
+        if isinstance(ins, Run):
+            if ins.code.rank in local:
+                op = Op(_RUN, idx, (ins.ins, ins.outs, ins.donate, ins))
+        elif isinstance(ins, Transfer):
+            src_here, dst_here = ins.src_rank in local, ins.dst_rank in local
+            if src_here and dst_here:  # a run of consecutive local transfers: one call
+                batch = [ins]
+                while (
+                    idx + len(batch) < len(instrs)
+                    and isinstance(instrs[idx + len(batch)], Transfer)
+                    and instrs[idx + len(batch)].src_rank in local
+                    and instrs[idx + len(batch)].dst_rank in local
+                ):
+                    batch.append(instrs[idx + len(batch)])
+                fast = all(
+                    same_shard_layout(
+                        slot_sharding[t.src], slot_sharding[t.dst], prog.slot_aval[t.src].shape
+                    )
+                    for t in batch
+                )
+                shardings = [slot_sharding[t.dst] for t in batch]
+                copy = shard_copier(shardings) if fast else _device_put(shardings)
+                op = Op(
+                    _COPY, idx, (tuple(t.src for t in batch), tuple(t.dst for t in batch), copy)
+                )
+                ops.append(op)
+                current = op
+                idx += len(batch)
+                continue
+            if (src_here or dst_here) and idx in cross:  # the later ones go with the first
+                op = Op(_CROSS, idx, cross[idx])
+        elif isinstance(ins, Fill):
+            if ins.rank in local:  # a run of consecutive local fills: one call
+                batch = [ins]
+                while (
+                    idx + len(batch) < len(instrs)
+                    and isinstance(instrs[idx + len(batch)], Fill)
+                    and instrs[idx + len(batch)].rank in local
+                ):
+                    batch.append(instrs[idx + len(batch)])
+                args = (
+                    tuple(f.slot for f in batch),
+                    [f.value for f in batch],
+                    [slot_sharding[f.slot] for f in batch],
+                )
+                op = Op(_FILL, idx, args)
+                ops.append(op)
+                current = op
+                idx += len(batch)
+                continue
+        elif isinstance(ins, Delete):
+            if ins.rank in local:
+                if current is None:
+                    current = Op(_RELEASE, idx, ())
+                    ops.append(current)
+                if ins.slot in caller_donated:
+                    current.kill += (ins.slot,)
+                else:
+                    current.drop += (ins.slot,)
+                current.deletes += ((idx, ins.slot),)
+            idx += 1
+            continue
+        if op is not None:
+            ops.append(op)
+        current = op
+        idx += 1
+    constants = {
+        s: jax.device_put(v, slot_sharding[s])
+        for s, v in prog.constants.items()
+        if prog.slot_rank[s] in local
+    }
+    return Walk(
+        prog,
+        executables,
+        ops,
+        constants,
+        slot_sharding,
+        local,
+        tuple(sorted(input_slots)),
+        memory.device_bytes(prog, slot_sharding),
+        mpmd_axis,
+        cross,
+    )
+
+
+def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, probe=None):
+    """Runs one step. `inputs` maps input slots to arrays already on their groups. Returns
+    (per step output: {group: array}, measured task times or None).
+
+    Multi-controller: only this process's groups run here; a transfer between a local and a
+    remote group is a collective both processes issue in program order. A `watchdog` (several
+    processes, `pipeline_hang_timeout_s`) is told each op as it is dispatched and is handed
+    every cross-process transfer's result. `probe` (a `DeviceBytes`) measures device bytes."""
+    prog, executables = walk.prog, walk.executables
     regs: list = [None] * len(prog.slot_rank)
     for s, v in inputs.items():
         regs[s] = v
-    for s, v in prog.constants_on_device.items():
+    for s, v in walk.constants.items():
         regs[s] = v
-    events = []
+    probes = [p for p in (probe, _SCAN.get()) if p is not None]
+    for p in probes:
+        p.begin(walk, inputs)
+    events = [] if record_times else None
     if watchdog is not None:
         watchdog.start()
-    probe = _DEVICE_PROBE.get()
-    if probe is not None:
-        probe.begin(inputs.values())
-    for idx, ins in enumerate(prog.instrs):
+    for op in walk.ops:
+        kind = op.kind
         if watchdog is not None:
-            watchdog.enter(idx)
-        if isinstance(ins, Run) and ins.code.rank in local_ranks:
-            t0 = time.perf_counter() if record_times else 0.0
-            outs = executables[idx](*[regs[s] for s in ins.ins])
+            watchdog.enter(op.index)
+        if kind == _RUN:
+            ins, outs, donate, run = op.args
+            exe = executables[op.index]
             if record_times:
-                jax.block_until_ready(outs)
-                events.append((ins.code.rank, ins.name, ins.code, t0, time.perf_counter()))
-            for s, v in zip(ins.outs, outs):
+                t0 = time.perf_counter()
+                res = exe(*[regs[s] for s in ins])
+                jax.block_until_ready(res)
+                events.append((run.code.rank, run.name, run.code, t0, time.perf_counter()))
+            else:
+                res = exe(*[regs[s] for s in ins])
+            for s, v in zip(outs, res):
                 regs[s] = v
-        elif isinstance(ins, Transfer):
-            src_here, dst_here = ins.src_rank in local_ranks, ins.dst_rank in local_ranks
-            if src_here and dst_here:
-                batch = prog.transfer_batches.get(idx)
-                if batch is not None:  # one call for a run of local transfers
-                    srcs = [regs[t.src] for t in batch]
-                    dsts = [slot_sharding[t.dst] for t in batch]
-                    fast = prog.transfer_fast[idx]
-                    moved = copy_shards(srcs, dsts) if fast else jax.device_put(srcs, dsts)
-                    for t, v in zip(batch, moved):
-                        regs[t.dst] = v
-            elif (src_here or dst_here) and idx in prog.cross_batches:
-                issued = _cross_process(prog.cross_batches[idx], regs)
-                if watchdog is not None:
-                    watchdog.watch(idx, issued)
-        elif isinstance(ins, Fill):
-            if ins.rank in local_ranks:  # a fresh buffer (on CPU it could alias host memory
-                # the program keeps, which the first accumulation then could not donate)
-                regs[ins.slot] = jax.device_put(ins.value, slot_sharding[ins.slot], may_alias=False)
-        elif isinstance(ins, Delete):
-            v = regs[ins.slot]
-            if v is not None and not ins.donated and not v.is_deleted():
-                v.delete()
-            regs[ins.slot] = None
-        if probe is not None:
-            probe.record()
+            del res  # the runtime's registers hold the only references
+            for p in probes:
+                p.made(outs, regs)
+                if donate:
+                    p.consumed([ins[d] for d in donate], regs)
+        elif kind == _COPY:
+            srcs, dsts, copy = op.args
+            values = [regs[s] for s in srcs]
+            moved = copy(values)
+            del values
+            for s, v in zip(dsts, moved):
+                regs[s] = v
+            del moved
+            for p in probes:
+                p.made(dsts, regs)
+        elif kind == _CROSS:  # one batch of transfers to or from another process
+            transfers, batch = op.args
+            received, issued = batch([regs[t.src] for t in transfers] if batch.sending else None)
+            if received is not None:
+                for t, v in zip(transfers, received):
+                    regs[t.dst] = v
+            del received
+            if watchdog is not None:
+                watchdog.watch(op.index, issued)
+            del issued
+            for p in probes:
+                p.made([t.dst for t in transfers], regs)
+        elif kind == _FILL:
+            slots, values, shardings = op.args
+            # fresh buffers (on CPU one could alias host memory the program keeps, which the
+            # first accumulation then could not donate)
+            for s, v in zip(slots, jax.device_put(values, shardings, may_alias=False)):
+                regs[s] = v
+            for p in probes:
+                p.made(slots, regs)
+        if probes:
+            if kind != _RELEASE:
+                for p in probes:
+                    p.record(op.index)
+            if kind == _COPY or kind == _FILL:  # a run is done once its one call returns
+                for i in range(1, len(op.args[0])):
+                    for p in probes:
+                        p.record(op.index + i)
+            for idx, s in op.deletes:
+                value = regs[s]
+                regs[s] = None
+                if s in op.kill and value is not None and not value.is_deleted():
+                    value.delete()
+                for p in probes:
+                    p.released(s, value)
+                del value
+                for p in probes:
+                    p.record(idx)
+            continue
+        for s in op.kill:
+            value = regs[s]
+            if value is not None and not value.is_deleted():
+                value.delete()
+            regs[s] = None
+        for s in op.drop:
+            regs[s] = None
     if watchdog is not None:
         watchdog.leave()
+    for p in probes:
+        p.end(len(prog.instrs))
     outputs = [{r: regs[s] for r, s in slots.items()} for slots in prog.outputs]
-    report = memory.replay(prog, prog.slot_bytes, input_slots=inputs)
-    return outputs, report, events
+    return outputs, events
 
 
-def _cross_process(planned, regs):
-    """Runs one batch of cross-process transfers (`transfer.plan_cross_process`): reads the sent
-    values, stores the received ones; returns the collective's output (for the watchdog). The
-    batch's later transfers are not in `prog.cross_batches`, so the walk skips them."""
-    transfers, batch = planned
-    received, issued = batch([regs[t.src] for t in transfers] if batch.sending else None)
-    if received is not None:
-        for t, v in zip(transfers, received):
-            regs[t.dst] = v
-    return issued
+def _device_put(shardings):
+    return lambda values: jax.device_put(values, shardings)
+
+
+# ------------------------------------------------------------------------- device bytes
 
 
 @dataclasses.dataclass
 class DeviceBytes:
-    """Bytes of device buffers alive per device id after each instruction of the steps run
-    inside `measuring_device_bytes()` (one list per step). Counted: the step's inputs and every
-    buffer made during the step; not counted: buffers that were alive before the step and are
-    not its inputs (the caller's other arrays, the program's constants). Each buffer once, even
-    if several arrays share it."""
+    """Bytes of the buffers alive per device after each instruction of one step: the step's
+    inputs and every buffer it made; not the buffers alive before it that are not its inputs
+    (the caller's other arrays, the program's constants). Tracked from the program's own
+    allocation and free events (see the module docstring); `checked` holds, at the instruction
+    where a device of this process peaks (logically), the same figure read off the device
+    buffers alive then (each buffer once).
 
-    steps: list = dataclasses.field(default_factory=list)
-    _before: dict = dataclasses.field(default_factory=dict)  # buffer -> array kept alive
+    `timeline[i]`: {device id: bytes} right after instruction i (devices holding nothing are
+    left out)."""
 
-    def begin(self, inputs) -> None:
-        taken = {key for x in inputs for key, _ in _buffers(x)}
+    check: bool = True  # scan the live buffers once, at the logical peak
+    timeline: list = dataclasses.field(default_factory=list)
+    checked: dict = dataclasses.field(default_factory=dict)  # instruction -> {device: bytes}
+    _live: dict = dataclasses.field(default_factory=dict, repr=False)
+    _counted: dict = dataclasses.field(default_factory=dict, repr=False)  # slot -> pieces
+    _check_at: frozenset = frozenset()
+    _scan: _Scan | None = dataclasses.field(default=None, repr=False)
+    _bytes: list = dataclasses.field(default_factory=list, repr=False)
+    _prev: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def peak(self, devices) -> int:
+        """The largest bytes any of `devices` (ids) held after any instruction."""
+        return max((after.get(d, 0) for after in self.timeline for d in devices), default=0)
+
+    def mismatches(self) -> list:
+        """(instruction, tracked, scanned) where the check disagrees with the tracked figure."""
+        out = []
+        for idx, scanned in self.checked.items():
+            tracked = self.timeline[idx]
+            devices = set(scanned) | set(tracked)
+            if any(tracked.get(d, 0) != scanned.get(d, 0) for d in devices):
+                out.append((idx, tracked, scanned))
+        return out
+
+    # probe interface (called by `execute`)
+
+    def begin(self, walk: Walk, inputs: dict) -> None:
+        self.timeline, self.checked, self._live, self._counted = [], {}, {}, {}
+        self._bytes = walk.slot_device_bytes
+        seen = set()
+        for s, value in inputs.items():  # each input buffer once, as a scan would count it
+            pieces = []
+            for key, nbytes in _buffers(value):
+                if key not in seen:
+                    seen.add(key)
+                    pieces.append((key[0], nbytes))
+            self._add(s, tuple(pieces))
+        self._prev = {d: b for d, b in self._live.items() if b}
+        if self.check:
+            self._check_at = frozenset((walk.device_peak_index(),))
+            self._scan = _Scan()
+            self._scan.begin(walk, inputs)
+
+    def made(self, slots, regs) -> None:
+        for s in slots:
+            if regs[s] is not None:
+                self._add(s, self._bytes[s])
+
+    def consumed(self, slots, regs) -> None:
+        for s in slots:
+            value = regs[s]
+            if value is not None and value.is_deleted():
+                self._remove(s)
+
+    def released(self, slot, value) -> None:
+        self._remove(slot)
+
+    def record(self, index: int) -> None:
+        """After instruction `index` (instructions of other processes' groups in between change
+        nothing here: they repeat the figure)."""
+        while len(self.timeline) < index:
+            self.timeline.append(self._prev)
+        self._prev = {d: b for d, b in self._live.items() if b}
+        self.timeline.append(self._prev)
+        if index in self._check_at:
+            self.checked[index] = self._scan.measure()
+
+    def end(self, num_instructions: int) -> None:
+        if len(self.timeline) < num_instructions:
+            self.record(num_instructions - 1)
+        self._scan = None  # lets go of the arrays it held
+
+    def _add(self, slot, pieces) -> None:
+        self._counted[slot] = pieces
+        for d, b in pieces:
+            self._live[d] = self._live.get(d, 0) + b
+
+    def _remove(self, slot) -> None:
+        for d, b in self._counted.pop(slot, ()):
+            self._live[d] -= b
+
+
+class _Scan:
+    """The bytes of the buffers alive per device, read off `jax.live_arrays()` (each buffer
+    once): everything but what was alive before the step and is not one of its inputs."""
+
+    def begin(self, walk: Walk, inputs: dict) -> None:
+        taken = {key for x in inputs.values() for key, _ in _buffers(x)}
         # hold the arrays alive before the step, so no new buffer can reuse their addresses
         self._before = {key: a for a in jax.live_arrays() for key, _ in _buffers(a)}
         for key in taken:
             self._before.pop(key, None)
-        self.steps.append([])
 
-    def record(self) -> None:
+    def measure(self) -> dict:
         per_device: dict = {}
         seen = set(self._before)
         for a in jax.live_arrays():
@@ -142,7 +422,41 @@ class DeviceBytes:
                 if key not in seen:
                     seen.add(key)
                     per_device[key[0]] = per_device.get(key[0], 0) + nbytes
-        self.steps[-1].append(per_device)
+        return per_device
+
+
+@dataclasses.dataclass
+class ScannedDeviceBytes:
+    """The former measurement: a scan of every live array after each instruction (one list of
+    {device id: bytes} per step run inside `scanning_device_bytes()`). O(instructions x live
+    arrays): for tests and debugging only."""
+
+    steps: list = dataclasses.field(default_factory=list)
+
+    def begin(self, walk: Walk, inputs: dict) -> None:
+        self._scan = _Scan()
+        self._scan.begin(walk, inputs)
+        self.steps.append([])
+
+    def made(self, slots, regs) -> None:
+        pass
+
+    def consumed(self, slots, regs) -> None:
+        pass
+
+    def released(self, slot, value) -> None:
+        pass
+
+    def record(self, index: int) -> None:
+        steps = self.steps[-1]
+        while len(steps) < index:  # instructions of other processes' groups change nothing here
+            steps.append(steps[-1] if steps else self._scan.measure())
+        steps.append(self._scan.measure())
+
+    def end(self, num_instructions: int) -> None:
+        if len(self.steps[-1]) < num_instructions:
+            self.record(num_instructions - 1)
+        self._scan = None
 
 
 def _buffers(a):
@@ -156,60 +470,19 @@ def _buffers(a):
     return out
 
 
-_DEVICE_PROBE: contextvars.ContextVar[DeviceBytes | None] = contextvars.ContextVar(
-    "jaxpp_device_probe", default=None
+_SCAN: contextvars.ContextVar[ScannedDeviceBytes | None] = contextvars.ContextVar(
+    "jaxpp_scan_probe", default=None
 )
 
 
 @contextlib.contextmanager
-def measuring_device_bytes():
-    """Inside this context every step also measures device buffers after each instruction (a
-    scan of `jax.live_arrays()` each time, which waits for every task: for tests and
-    diagnostics only). Yields the `DeviceBytes` that collects them."""
-    probe = DeviceBytes()
-    token = _DEVICE_PROBE.set(probe)
+def scanning_device_bytes():
+    """Inside this context every step also scans the live device buffers after each
+    instruction (waits for every task; slow: for tests and debugging). Yields the
+    `ScannedDeviceBytes` that collects them."""
+    probe = ScannedDeviceBytes()
+    token = _SCAN.set(probe)
     try:
         yield probe
     finally:
-        _DEVICE_PROBE.reset(token)
-
-
-def prepare(prog: Program, slot_sharding, local_ranks, owners=None, mpmd_axis=None) -> None:
-    """Puts the program's constants on this process's groups once, sizes every slot, groups
-    runs of consecutive local transfers so each run is one copy call, and (several processes:
-    `owners[r]` is the process of group r) plans the batches of cross-process transfers, which
-    compiles their programs and allocates their receive buffers."""
-    prog.slot_bytes = [memory.slot_nbytes(a) for a in prog.slot_aval]
-    prog.slot_producer = {s: ins for ins in prog.instrs if isinstance(ins, Run) for s in ins.outs}
-    prog.transfer_batches = {}
-    start = None
-    for idx, ins in enumerate(prog.instrs):
-        local = (
-            isinstance(ins, Transfer)
-            and ins.src_rank in local_ranks
-            and ins.dst_rank in local_ranks
-        )
-        if local and start is None:
-            start = idx
-            prog.transfer_batches[start] = [ins]
-        elif local:
-            prog.transfer_batches[start].append(ins)
-        else:
-            start = None
-    prog.transfer_fast = {
-        start: all(
-            same_shard_layout(
-                slot_sharding[t.src], slot_sharding[t.dst], prog.slot_aval[t.src].shape
-            )
-            for t in batch
-        )
-        for start, batch in prog.transfer_batches.items()
-    }
-    prog.cross_batches = {}
-    if owners is not None and len(set(owners)) > 1:
-        prog.cross_batches = plan_cross_process(prog, slot_sharding, owners, local_ranks, mpmd_axis)
-    prog.constants_on_device = {
-        s: jax.device_put(v, slot_sharding[s])
-        for s, v in prog.constants.items()
-        if prog.slot_rank[s] in local_ranks
-    }
+        _SCAN.reset(token)

@@ -108,7 +108,7 @@ def describe_instruction(prog, index: int, local_ranks, owner) -> str:
     ins = prog.instrs[index]
     head = f"instruction {index} of {len(prog.instrs)}"
     if isinstance(ins, Transfer):
-        run = prog.slot_producer.get(ins.src)
+        run = next((i for i in prog.instrs if isinstance(i, Run) and ins.src in i.outs), None)
         task = run.name if run is not None else f"slot {ins.src}"
         mb = run.microbatch if run is not None else None
         peer = ins.dst_rank if ins.src_rank in local_ranks else ins.src_rank

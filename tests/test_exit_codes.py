@@ -1,0 +1,276 @@
+"""One exit-code table for every entry point (`MaxText/exit_codes.py`), tested per tool, and the
+paths each tool checks before it compiles anything.
+
+0 success, 1 run failure, 2 user/config/data/path error, 3 hang watchdog, 128+N after a handled
+signal N. Each case runs the tool's `main` in this process (the launcher also with stand-in child
+processes); a path or usage error must come before any compile, which the tests make fail loudly
+(`build_trainer`, the planner's `make_plan` replaced by a function that raises).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fs_faults import readonly
+from small_model import SMALL_MODEL
+
+from jaxpp_integration.runtime.watchdog import HANG_EXIT_CODE
+from MaxText import exit_codes, generate, launch, plan
+from MaxText import train as train_lib
+from MaxText.config import CONFIGS_DIR
+from MaxText.data import prepare as prepare_lib
+from MaxText.errors import ConfigError, PathError, StorageError
+from MaxText.train import TrainingDivergedError
+
+BASE = [str(CONFIGS_DIR / "base.yml"), *SMALL_MODEL, "dataset_type=synthetic", "steps=2"]
+
+
+def _one_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Anything that would compile the trainer's step (or plan it) fails the test."""
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before the error was reported")
+
+    monkeypatch.setattr(train_lib, "build_trainer", compiled)
+    monkeypatch.setattr(plan, "make_plan", compiled)
+
+
+def test_the_table():
+    assert (exit_codes.OK, exit_codes.RUN_FAILURE, exit_codes.USER_ERROR) == (0, 1, 2)
+    assert exit_codes.HANG == HANG_EXIT_CODE == 3
+    assert exit_codes.after_signal(signal.SIGTERM) == 143
+    assert exit_codes.after_signal(signal.SIGINT) == 130
+    assert exit_codes.from_returncode(-signal.SIGKILL) == 137  # Popen: killed by signal 9
+    assert exit_codes.from_returncode(143) == 143 and exit_codes.from_returncode(0) == 0
+    codes = {
+        ConfigError("c"): (2, "config error: c"),
+        PathError("p"): (2, "path error: p"),
+        prepare_lib.DataError("d"): (2, "data error: d"),
+        StorageError("s\nmore"): (1, "I/O error: s"),
+        TrainingDivergedError("loss is nan at step 3"): (1, "error: loss is nan at step 3"),
+    }
+    for error, (code, line) in codes.items():
+        assert exit_codes.exit_code_of(error) == code
+        assert exit_codes.first_line(error) == line.split(": ", 1)[1]
+        assert f"{type(error).prefix}: {exit_codes.first_line(error)}" == line
+    assert exit_codes.exit_code_of(ValueError("a bug")) is None
+
+
+# ----------------------------------------------------------------------------------------- train
+
+
+def _paths(tmp: Path) -> dict:
+    afile = tmp / "a_file"
+    afile.write_text("x")
+    return {
+        "under_proc": (
+            ["base_output_directory=/proc/nope"],
+            "path error: base_output_directory=/proc/nope/run: cannot create folder "
+            "/proc/nope/run (No such file or directory, ENOENT); use a folder you can write to",
+        ),
+        "a_file": (
+            [f"base_output_directory={afile}"],
+            f"path error: base_output_directory={afile}/run: cannot create folder {afile}/run "
+            f"(Not a directory, ENOTDIR); use a folder you can write to",
+        ),
+        "metrics_under_proc": (
+            [f"base_output_directory={tmp}", "metrics_file=/proc/m.jsonl"],
+            "path error: metrics_file=/proc/m.jsonl: cannot write in /proc (",
+        ),
+        "load_parameters_file": (
+            [f"base_output_directory={tmp}", f"load_parameters_path={afile}"],
+            f"path error: load_parameters_path={afile}: {afile} is a file; give a run folder, "
+            f"its checkpoints folder or one step's folder",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["under_proc", "a_file", "metrics_under_proc", "load_parameters_file"]
+)
+def test_train_path_errors_exit_2_before_compiling(tmp_path, capsys, no_compile, case):
+    overrides, want = _paths(tmp_path)[case]
+    assert train_lib.main([*BASE, "run_name=run", *overrides]) == 2
+    assert _one_line(capsys).startswith(want)
+
+
+@pytest.mark.parametrize("where", ["output", "checkpoints"])
+def test_train_read_only_folders_exit_2_before_compiling(tmp_path, capsys, no_compile, where):
+    """A read-only output folder, or a read-only checkpoints/ inside a writable one (before, it
+    was found at the first save, after the steps were spent)."""
+    target = tmp_path / "out" if where == "output" else tmp_path / "out" / "run" / "checkpoints"
+    with readonly(target):
+        code = train_lib.main([*BASE, f"base_output_directory={tmp_path / 'out'}", "run_name=run"])
+        line = _one_line(capsys)
+    assert code == 2
+    folder = tmp_path / "out" / "run" / ("checkpoints" if where == "checkpoints" else "")
+    assert line.startswith(f"path error: base_output_directory={folder}".rstrip("/")), line
+    assert "Read-only file system, EROFS" in line or "Permission denied, EACCES" in line
+
+
+def test_train_config_error_exits_2(tmp_path, capsys, no_compile):
+    assert train_lib.main([*BASE, "num_decoder_layer=3"]) == 2
+    assert _one_line(capsys).startswith("config error: unknown config key 'num_decoder_layer'")
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--memory-gb", "-5"], "argument --memory-gb: must be > 0, got -5"),
+        (["--efficiency", "0"], "argument --efficiency: must be in (0, 1], got 0"),
+        (["--peak-tflops", "nan"], "argument --peak-tflops: must be > 0, got nan"),
+    ],
+)
+def test_plan_hardware_flags_out_of_range_exit_2(capsys, no_compile, flags, want):
+    with pytest.raises(SystemExit) as stop:
+        plan.main([*BASE, "--hardware", "cpu", *flags])
+    assert stop.value.code == 2
+    assert want in capsys.readouterr().err
+
+
+def test_plan_flags_reach_the_hardware(monkeypatch):
+    """--efficiency is applied (it was dropped when 0, and any falsy value), --memory-gb too."""
+    seen = {}
+
+    def capture(config, hardware, base):
+        seen["hardware"] = hardware
+        raise StopIteration
+
+    monkeypatch.setattr(plan, "make_plan", capture)
+    with pytest.raises(StopIteration):
+        plan.main([*BASE, "--hardware", "cpu", "--efficiency", "0.25", "--memory-gb", "3"])
+    assert seen["hardware"].efficiency == 0.25 and seen["hardware"].memory_bytes == 3e9
+
+
+def test_plan_json_path_is_checked_before_planning(tmp_path, capsys, no_compile):
+    assert plan.main([*BASE, "--hardware", "cpu", "--json", "/proc/plan.json"]) == 2
+    assert _one_line(capsys).startswith("path error: --json=/proc/plan.json: cannot write in /proc")
+    assert plan.main([*BASE, "--hardware", "cpu", "--json", str(tmp_path)]) == 2
+    assert (
+        _one_line(capsys)
+        == f"path error: --json={tmp_path}: {tmp_path} is a folder; give a file name"
+    )
+
+
+# -------------------------------------------------------------------------------------- generate
+
+
+def test_generate_errors_exit_2(tmp_path, capsys):
+    afile = tmp_path / "params"
+    afile.write_text("x")
+    argv = [*BASE, f"base_output_directory={tmp_path}", "run_name=none"]
+    assert generate.main(argv) == 2
+    assert _one_line(capsys) == f"checkpoint error: {tmp_path / 'none'} does not exist"
+    assert generate.main([*argv, f"load_parameters_path={afile}"]) == 2
+    assert _one_line(capsys) == (
+        f"checkpoint error: {afile} is a file; give a run folder, its checkpoints folder or one "
+        f"step's folder"
+    )
+
+
+# ---------------------------------------------------------------------------------- data.prepare
+
+
+def test_prepare_exit_codes(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("to be or not to be " * 50)
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    assert prepare_lib.main(["--input", str(corpus), "--out", str(afile), "--quiet"]) == 2
+    assert (
+        _one_line(capsys)
+        == f"path error: --out={afile}: {afile} is a file, not a folder; give a folder"
+    )
+    (corpus / "b.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+    assert prepare_lib.main(["--input", str(corpus), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert _one_line(capsys) == (
+        f"data error: {corpus / 'b.txt'} is not UTF-8 text (byte 0x80 at offset 136); convert it "
+        f"to UTF-8 or leave it out of --input"
+    )
+    (corpus / "b.txt").write_bytes(b"text\x00with a NUL")
+    assert prepare_lib.main(["--input", str(corpus), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert _one_line(capsys) == (
+        f"data error: {corpus / 'b.txt'} looks like a binary file (NUL byte at offset 4); leave "
+        f"it out of --input"
+    )
+    (corpus / "b.txt").unlink()
+    (corpus / "c.jsonl").write_bytes(json.dumps({"text": "fine"}).encode() + b"\n\xff\xfe\n")
+    assert prepare_lib.main(["--input", str(corpus), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert _one_line(capsys).startswith(f"data error: {corpus / 'c.jsonl'}:2 is not UTF-8 text")
+    (corpus / "c.jsonl").unlink()
+    assert (
+        prepare_lib.main(
+            ["--input", str(corpus), "--out", str(tmp_path / "o"), "--quiet", "--vocab_size", "300"]
+        )
+        == 0
+    )
+
+
+# ---------------------------------------------------------------------------------------- launch
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    mode = sys.argv[1]
+    if mode == "kill9":
+        os.kill(os.getpid(), signal.SIGKILL)
+    def stop(signum, frame):
+        print(f"child got {signal.Signals(signum).name}", flush=True)
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    open(os.path.join(os.path.dirname(__file__), f"ready_{os.getpid()}"), "w").close()
+    time.sleep(120)
+    """
+)
+
+
+def test_launch_reports_a_child_killed_by_signal_9_as_137(tmp_path, capsys):
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    assert launch.launch(2, ["kill9"], script=child, timeout=60) == 137
+    assert "exited with 137" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_launch_forwards_signals_and_returns_128_plus_n(tmp_path, capsys, signum):
+    """The launcher's children run in their own session (a terminal's Ctrl-C reaches the
+    launcher only); the launcher forwards the signal once to each and returns their 128 + N."""
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+
+    def signal_launcher_when_children_are_ready():
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("ready_*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signum)  # as a terminal's Ctrl-C or a scheduler would
+
+    before = signal.getsignal(signum)
+    sender = threading.Thread(target=signal_launcher_when_children_are_ready, daemon=True)
+    sender.start()
+    code = launch.launch(2, ["wait"], script=child, timeout=100)
+    sender.join()
+    out = capsys.readouterr().out
+    assert code == 128 + signum, out
+    name = signal.Signals(signum).name
+    assert out.count(f"child got {name}") == 2, out  # each child once
+    assert f"[launch] {name}: forwarded to the trainers" in out
+    assert signal.getsignal(signum) is before  # the launcher's handler is gone again

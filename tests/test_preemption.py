@@ -1,0 +1,249 @@
+"""Stopping like a cluster job: SIGTERM / SIGINT save the step in flight and exit 128 + N.
+
+A real trainer process (`python -m MaxText.train`, small model with the default keys: scanned
+layers, async checkpointing) reading grain shards with 2 worker processes gets the signal
+mid-training, either alone (`kill PID`, as a scheduler may) or with its whole process group
+(Ctrl-C, SLURM). Checked: the exit code, the one line saying which step is on disk, that step's
+checkpoint, no traceback or leaked-shared-memory warning from anyone, and that no child process
+(grain workers, multiprocessing's resource tracker) outlives the trainer; the saved step then
+resumes in this process and continues bitwise like an uninterrupted run. A second Ctrl-C stops at
+once without saving. Two processes (`MaxText.launch`, pipeline_parallelism=2): SIGTERM to one of
+them makes both save the same step and exit 143.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from grain_corpus import prepare_shards
+from small_model import SMALL_MODEL_SHAPE, merged
+
+from MaxText.checkpoint import integrity
+from MaxText.config import CONFIGS_DIR
+from MaxText.train import main
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = SMALL_MODEL_SHAPE  # the default layout: scanned layers
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return prepare_shards(tmp_path_factory.mktemp("corpus"), seed=3)
+
+
+def argv(shards: Path, base: Path, *overrides: str) -> list[str]:
+    return merged(
+        str(CONFIGS_DIR / "base.yml"),
+        *MODEL,
+        "vocab_size=512",
+        "dataset_type=grain",
+        f"grain_train_files={shards}/train-*.array_record",
+        "grain_worker_count=2",
+        "learning_rate_schedule_steps=60",
+        "log_period=1",
+        "eval_interval=0",
+        "enable_progress_bar=false",
+        "enable_tensorboard=false",
+        "checkpoint_period=1000",  # only the stop saves, unless a test says otherwise
+        f"base_output_directory={base}",
+        "run_name=run",
+        *overrides,
+    )
+
+
+def losses(base: Path) -> dict[int, float]:
+    lines = (base / "run" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def steps_on_disk(base: Path) -> list[int]:
+    folder = base / "run" / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+
+
+def children(pid: int) -> list[int]:
+    """Every process whose parent is `pid` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+class Trainer:
+    """A trainer subprocess in its own session; its output is collected line by line."""
+
+    def __init__(self, args: list[str], module: str = "MaxText.train"):
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        if module == "MaxText.launch":
+            env.pop("XLA_FLAGS", None)  # each process emulates the devices it needs
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._seen = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._seen:
+                self.lines.append(line.rstrip("\n"))
+                self._seen.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        with self._seen:
+            while not any(text in line for line in self.lines):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise AssertionError(f"no line with {text!r}:\n" + "\n".join(self.lines[-30:]))
+                self._seen.wait(min(left, 1.0))
+
+    def finish(self, timeout: float = 300) -> str:
+        self.proc.wait(timeout)
+        time.sleep(0.5)  # the reader drains the pipe
+        return "\n".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    """60 uninterrupted steps, in this process."""
+    base = tmp_path_factory.mktemp("reference")
+    assert main(argv(shards, base, "steps=60")) == 0
+    return losses(base)
+
+
+def _stopped_line(out: str, name: str, base: Path, code: int) -> int:
+    """The step named by the one line a stopped run ends with (checked word for word)."""
+    lines = [line for line in out.splitlines() if "stopped after step" in line]
+    assert len(lines) == 1, out[-3000:]
+    step = int(lines[0].split("stopped after step ")[1].split(";")[0])
+    folder = base / "run" / "checkpoints" / str(step)
+    assert lines[0].endswith(
+        f"{name}: stopped after step {step}; checkpoint step {step} is on disk ({folder}); "
+        f"exit code {code}"
+    ), lines[0]
+    return step
+
+
+def _no_noise(out: str) -> None:
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert "leaked" not in out, out[-3000:]  # multiprocessing's resource tracker
+
+
+def test_sigterm_to_the_trainer_alone_saves_and_resumes_bitwise(shards, reference, tmp_path):
+    trainer = Trainer(argv(shards, tmp_path, "steps=100000"))
+    trainer.wait_for("step 5/")
+    kids = children(trainer.proc.pid)
+    assert len(kids) >= 3, kids  # 2 grain workers and the resource tracker
+    trainer.proc.send_signal(signal.SIGTERM)
+    out = trainer.finish()
+    assert trainer.proc.returncode == 143, out[-3000:]
+    step = _stopped_line(out, "SIGTERM", tmp_path, 143)
+    assert 5 <= step < 55
+    _no_noise(out)
+    assert alive(kids) == []
+    assert steps_on_disk(tmp_path) == [step]
+
+    assert main(argv(shards, tmp_path, "steps=60")) == 0  # resumes from the saved step
+    got = losses(tmp_path)
+    assert [got[s] for s in range(step + 1, 61)] == [reference[s] for s in range(step + 1, 61)]
+
+
+def test_sigint_to_the_process_group(shards, tmp_path):
+    """Ctrl-C reaches the trainer and its grain workers: the workers ignore it, the trainer
+    saves and stops them; nobody prints a traceback."""
+    trainer = Trainer(argv(shards, tmp_path, "steps=100000"))
+    trainer.wait_for("step 5/")
+    kids = children(trainer.proc.pid)
+    os.killpg(trainer.proc.pid, signal.SIGINT)
+    out = trainer.finish()
+    assert trainer.proc.returncode == 130, out[-3000:]
+    step = _stopped_line(out, "SIGINT", tmp_path, 130)
+    assert "SIGINT: saving after the step in flight, then stopping (Ctrl-C again to stop" in out
+    _no_noise(out)
+    assert alive(kids) == []
+    assert steps_on_disk(tmp_path) == [step]
+
+
+def test_a_second_sigint_stops_at_once_without_saving(shards, tmp_path):
+    trainer = Trainer(argv(shards, tmp_path, "steps=100000", "checkpoint_period=3"))
+    trainer.wait_for("checkpoint step 6 ->")
+    kids = children(trainer.proc.pid)
+    os.killpg(trainer.proc.pid, signal.SIGINT)
+    trainer.wait_for("SIGINT: saving after the step in flight")
+    os.killpg(trainer.proc.pid, signal.SIGINT)
+    out = trainer.finish()
+    assert trainer.proc.returncode == 130, out[-3000:]
+    assert "stopped after step" not in out
+    _no_noise(out)
+    assert alive(kids) == []
+    on_disk = steps_on_disk(tmp_path)
+    newest = tmp_path / "run" / "checkpoints" / str(on_disk[-1])
+    assert (
+        f"SIGINT again: stopping now without saving; the newest checkpoint on disk is step "
+        f"{on_disk[-1]} ({newest})"
+    ) in out
+    for step in on_disk:  # every complete checkpoint is intact
+        assert integrity.verify_checksums(tmp_path / "run" / "checkpoints" / str(step))
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(shards, tmp_path):
+    """JAX's preemption sync point: the process that got SIGTERM and its peer stop after the
+    same step, save it together and exit 143; the launcher returns 143."""
+    args = argv(shards, tmp_path, "steps=100000", "pipeline_parallelism=2")
+    launch = ["--num_processes", "2", "--timeout", "900", "--", *args]
+    launcher = Trainer(launch, module="MaxText.launch")
+    launcher.wait_for("[p0] step 5/")
+    p1 = [
+        pid
+        for pid in children(launcher.proc.pid)
+        if "process_id=1" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    assert len(p1) == 1
+    os.kill(p1[0], signal.SIGTERM)
+    out = launcher.finish(timeout=600)
+    assert launcher.proc.returncode == 143, out[-3000:]
+    stopped = [line for line in out.splitlines() if "stopped after step" in line]
+    assert len(stopped) == 2, out[-3000:]
+    steps = {int(line.split("stopped after step ")[1].split(";")[0]) for line in stopped}
+    assert len(steps) == 1, stopped  # the same step on both processes
+    (step,) = steps
+    assert {line.split(" ", 1)[0] for line in stopped} == {"[p0]", "[p1]"}
+    why = "SIGTERM (a preemption notice to this job): stopped after step"
+    assert all(why in line for line in stopped), stopped
+    assert steps_on_disk(tmp_path) == [step]
+    assert "Traceback" not in out
