@@ -27,7 +27,7 @@ from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder
 from MaxText.optimizer import make_optimizer
 from MaxText.train_step import (
-    _batch_shapes,
+    batch_shapes,
     build_trainer,
     make_train_step,
     pipelined_train_step,
@@ -89,7 +89,7 @@ def compile_step(config):
     fn = pipelined_train_step(config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh))
     jax.clear_caches()
     with real_compiles() as seen, sharding.axis_rules():
-        compiled = fn.compile(abstract, _batch_shapes(config))
+        compiled = fn.compile(abstract, batch_shapes(config))
     return compiled, seen
 
 
@@ -197,8 +197,8 @@ def test_parts_of_work_after_the_loop_compute_what_the_whole_task_does():
     as one program gives, on random inputs (positive, as Adam's second moment is): each part
     uses its scalars as XLA sees them used in the whole task (`blocks._same_scalar_uses`)."""
     from jaxpp_integration.compiler.blocks import ChainedExecutable
-    from jaxpp_integration.compiler.compile import task_function
     from jaxpp_integration.compiler.program import Run
+    from jaxpp_integration.compiler.task_functions import task_function
 
     compiled, _ = compile_step(config_of(4, 8))
     prog = compiled.program

@@ -79,7 +79,9 @@ class _RecordingStep:
 
 def _instrumented(trainer, events: list, nan_at: int | None = None):
     """The trainer with its step wrapped in a `_RecordingStep`."""
-    return dataclasses.replace(trainer, train_step=_RecordingStep(trainer.train_step, events, nan_at))
+    return dataclasses.replace(
+        trainer, train_step=_RecordingStep(trainer.train_step, events, nan_at)
+    )
 
 
 @pytest.fixture

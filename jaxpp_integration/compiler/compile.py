@@ -48,324 +48,26 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import jax
-from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, jaxpr_as_fun
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_integration.compiler.blocks import ChainedExecutable, group_parts, independent_parts
-from jaxpp_integration.compiler.program import Fill, Program, Run, TaskCode, Transfer
-from jaxpp_integration.frontend.treduce import microbatch
+from jaxpp_integration.compiler.blocks import ChainedExecutable, after_loop_pieces
+from jaxpp_integration.compiler.program import Fill, Program, Run, Transfer
+from jaxpp_integration.compiler.task_functions import (
+    device_bytes,
+    jit_piece,
+    jit_task,
+    layout_key,
+    piece_key,
+    piece_name,
+    plain_sharding,
+    task_key,
+)
 from jaxpp_integration.jax_compat import (
     load_compiled_on,
     persistent_cache_reads,
     persistent_cache_writes_here,
     without_persistent_cache,
 )
-
-
-def rebind_meshes(eqns, src_meshes, dst_mesh: Mesh):
-    """Equations with every Mesh in `src_meshes` (and shardings on it) replaced by `dst_mesh`."""
-    if all(m == dst_mesh for m in src_meshes):
-        return eqns
-
-    def fix(x):
-        if isinstance(x, Mesh):
-            return dst_mesh if x in src_meshes else x
-        if isinstance(x, NamedSharding):
-            if x.mesh in src_meshes:
-                return NamedSharding(dst_mesh, x.spec, memory_kind=x.memory_kind)
-            return x
-        if isinstance(x, ClosedJaxpr):
-            return ClosedJaxpr(fix(x.jaxpr), x.consts)
-        if isinstance(x, Jaxpr):
-            return Jaxpr(
-                x.constvars,
-                x.invars,
-                x.outvars,
-                [fix_eqn(e) for e in x.eqns],
-                x.effects,
-                x.debug_info,
-            )
-        if type(x) is tuple:
-            return tuple(fix(y) for y in x)
-        if type(x) is list:
-            return [fix(y) for y in x]
-        return x
-
-    def fix_eqn(e):
-        return e.replace(params={k: fix(v) for k, v in e.params.items()})
-
-    return [fix_eqn(e) for e in eqns]
-
-
-def make_jaxpr_of(eqns, invars, outvars, name="task") -> Jaxpr:
-    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    info = DebugInfo(
-        name,
-        name,
-        tuple(f"in{i}" for i in range(len(invars))),
-        tuple(f"out{i}" for i in range(len(outvars))),
-    )
-    return Jaxpr([], list(invars), list(outvars), list(eqns), effects, info)
-
-
-def _eqns_fn(eqns, invars, outvars):
-    jaxpr = make_jaxpr_of(eqns, invars, outvars)
-    return jaxpr_as_fun(ClosedJaxpr(jaxpr, []))
-
-
-def task_function(code: TaskCode, eqns):
-    if code.kind == "before":
-        run = _eqns_fn(eqns, code.invars, code.outvars)
-        inits = code.acc_inits
-
-        def before(*args):
-            outs = list(run(*args[:-1]))  # the last input only pins the rank
-            return outs + [op.init(n, aval) for op, n, aval in inits]
-
-        return before
-    if code.kind == "after":
-        return _eqns_fn(eqns, code.invars, code.outvars)
-
-    owned = [v for _, v in code.acc_ops]
-    run = _eqns_fn(eqns, code.invars, list(code.outvars) + owned)
-    n_in = len(code.invars)
-    n_out = len(code.outvars)
-    slices = set(code.mb_slices)
-    ops = [op for op, _ in code.acc_ops]
-    axis = code.mb_axis
-
-    def loop(*args):
-        index = args[-1]
-        ins = [microbatch(x, index, axis) if i in slices else x for i, x in enumerate(args[:n_in])]
-        accs = args[n_in:-1]
-        outs = run(*ins)
-        values, owned_vals = outs[:n_out], outs[n_out:]
-        return list(values) + [op.update(a, v, index) for op, a, v in zip(ops, accs, owned_vals)]
-
-    return loop
-
-
-def after_loop_pieces(codes) -> dict:
-    """id(code) -> the pieces of each after-loop task in `codes` (the distinct `TaskCode`s of
-    one program): its independent parts (`blocks.independent_parts`) grouped by the groups
-    whose tasks have the very same part, one piece per such set, the most widely shared first:
-    a layer stack's optimizer update is then one program on every stage's group, the
-    embedding's and the head's each a piece of its own; () when no part is shared."""
-    parts = {  # (the engine's reduce_r / gather_r tasks batch collectives: left whole)
-        id(c): independent_parts(c.eqns, c.outvars)
-        for c in codes
-        if c.kind == "after" and c.name.startswith("after_loop_")
-    }
-    text = {
-        id(p): str(make_jaxpr_of(p.eqns, p.invars, p.outvars)) for ps in parts.values() for p in ps
-    }
-    ranks: dict = {}
-    for c in codes:
-        for p in parts.get(id(c), ()):
-            ranks.setdefault(text[id(p)], set()).add(c.rank)
-    # parts found on the same groups go together; the most widely shared first
-    kinds = sorted({frozenset(r) for r in ranks.values()}, key=lambda r: (-len(r), sorted(r)))
-    order = {r: i for i, r in enumerate(kinds)}
-    out = {}
-    for c in codes:
-        ps = parts.get(id(c))
-        if ps:
-            groups = [  # the scalars handed on last, whatever groups they are found on
-                len(kinds) if p.role == "light" else order[frozenset(ranks[text[id(p)]])]
-                for p in ps
-            ]
-            if any(g < len(kinds) and len(kinds[g]) > 1 for g in groups):  # else: as it is
-                out[id(c)] = tuple(group_parts(c.eqns, ps, groups, c.outvars))
-    # a task is cut only if a piece of it is one program with a piece of another group's task
-    # (a task left whole, e.g. for `blocks._same_scalar_uses`, shares nothing)
-    piece_text = {
-        id(p): str(make_jaxpr_of(p.eqns, p.invars, p.outvars)) for ps in out.values() for p in ps
-    }
-    while True:
-        found: dict = {}
-        for c in codes:
-            for p in out.get(id(c), ()):
-                found.setdefault(piece_text[id(p)], set()).add(c.rank)
-        lone = [
-            c
-            for c in codes
-            if out.get(id(c)) and all(len(found[piece_text[id(p)]]) < 2 for p in out[id(c)])
-        ]
-        if not lone:
-            break
-        for c in lone:
-            out[id(c)] = ()
-    # cut only if that makes less to compile: XLA's work grows with a program's equations, plus
-    # a fixed cost per program (identical whole tasks, as uniform stages have, share one compile)
-    after = [c for c in codes if id(c) in parts]
-    whole = {str(make_jaxpr_of(c.eqns, c.invars, c.outvars)): len(c.eqns) for c in after}
-    cut = {piece_text[id(p)]: len(p.eqns) for c in after for p in out.get(id(c), ())}
-    cut.update(
-        (text, n)
-        for c in after
-        if not out.get(id(c))
-        for text, n in [(str(make_jaxpr_of(c.eqns, c.invars, c.outvars)), len(c.eqns))]
-    )
-    if sum(n + PROGRAM_COST_EQNS for n in cut.values()) >= sum(
-        n + PROGRAM_COST_EQNS for n in whole.values()
-    ):
-        return {}
-    return {k: v for k, v in out.items() if v}
-
-
-# What compiling one more program costs, in equations of a program (XLA:CPU here: ~25 ms for a
-# program of a few equations, ~2 ms per optimizer equation).
-PROGRAM_COST_EQNS = 25
-
-
-def piece_function(code: TaskCode, piece, eqns):
-    """One piece of a task (see `compile_program`'s `pieces`) as a function. A loop task's
-    piece takes (its inputs..., the accumulators it updates..., microbatch index): it slices the
-    microbatch inputs it reads and updates its accumulators, as `task_function` does for a whole
-    task.
-    A part of after-loop work takes its inputs only."""
-    if code.kind != "loop":
-        return _eqns_fn(eqns, piece.invars, piece.outvars)
-    mb_vars = {code.invars[i] for i in code.mb_slices}
-    ops = [code.acc_ops[k][0] for k in piece.owned]
-    owned = [code.acc_ops[k][1] for k in piece.owned]
-    run = _eqns_fn(eqns, piece.invars, list(piece.outvars) + owned)
-    n_in, n_out = len(piece.invars), len(piece.outvars)
-    slices = {i for i, v in enumerate(piece.invars) if v in mb_vars}
-    axis = code.mb_axis
-
-    def loop(*args):
-        index = args[-1]
-        ins = [microbatch(x, index, axis) if i in slices else x for i, x in enumerate(args[:n_in])]
-        outs = run(*ins)
-        values, owned_vals = outs[:n_out], outs[n_out:]
-        accs = args[n_in:-1]
-        return list(values) + [op.update(a, v, index) for op, a, v in zip(ops, accs, owned_vals)]
-
-    return loop
-
-
-def piece_name(code: TaskCode, piece) -> str:
-    """A piece's program name: `fwd_layers`, `bwd_layers`, ... for a layer block (one program
-    for every stage that has it), `<task>_<role>` otherwise (`fwd_0_pre`, `fwd_3_post`,
-    `after_loop_1_1_part4`: named after the first task compiling it)."""
-    if piece.role == "layers":
-        return f"{code.phase.value}_layers"
-    return f"{code.name}_{piece.role}"
-
-
-def _piece_specs(code: TaskCode, piece) -> tuple:
-    """The output specs of one piece, taken from its task's (`TaskCode.out_specs`)."""
-    if not code.out_specs:
-        return ()
-    where = {v: i for i, v in enumerate(code.outvars)}
-    specs = tuple(code.out_specs[where[v]] if v in where else None for v in piece.outvars)
-    specs += tuple(code.out_specs[len(code.outvars) + k] for k in piece.owned)
-    return specs if any(s is not None for s in specs) else ()
-
-
-def _piece_key(code: TaskCode, piece):
-    """Like `_key`, for one piece of a cut task: identical layer blocks of different stages
-    (and groups) are the same program."""
-    mb_vars = {code.invars[i] for i in code.mb_slices}
-    owned = [code.acc_ops[k][1] for k in piece.owned]
-    text = str(make_jaxpr_of(piece.eqns, piece.invars, list(piece.outvars) + owned))
-    return (
-        "piece",
-        text,
-        tuple(str(code.acc_ops[k][0]) for k in piece.owned),
-        tuple(i for i, v in enumerate(piece.invars) if v in mb_vars),
-        code.mb_axis,
-        _piece_specs(code, piece),
-    )
-
-
-def _key(code: TaskCode):
-    """What makes two tasks the same program, whatever group they run on: the task's equations
-    as traced against the lowering mesh (identical text for identical stages), its kind, its
-    accumulator handling and which inputs are sliced per microbatch. No rank, no device ids."""
-    text = str(make_jaxpr_of(code.eqns, code.invars, code.outvars))
-    return (
-        code.kind,
-        text,
-        tuple(str(op) for op, _ in code.acc_ops),
-        tuple(str(i) for i in code.acc_inits),
-        code.mb_slices,
-        code.mb_axis,
-        code.out_specs,
-    )
-
-
-def _layout_key(sharding, mesh: Mesh):
-    """An input sharding relative to its group's sub-mesh: the spec and memory kind, plus the
-    sub-mesh's axis names and shape. Equal for the same layout on any group of one MpmdMesh."""
-    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-        size = dict(zip(mesh.axis_names, mesh.devices.shape))
-        spec = []
-        for entry in sharding.spec:  # axes of size 1 split nothing: P("fsdp") == P() there
-            names = entry if isinstance(entry, tuple) else (entry,)
-            kept = tuple(n for n in names if not isinstance(n, str) or size.get(n, 1) > 1)
-            spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        while spec and spec[-1] is None:
-            spec.pop()
-        kind = None if sharding.memory_kind == "device" else sharding.memory_kind
-        return (tuple(spec), kind, mesh.axis_names, mesh.devices.shape)
-    return ("exact", sharding)  # another kind of sharding: only shared where it is identical
-
-
-def _plain(sharding, mesh: Mesh):
-    """A piece output's sharding as the sharding the engine gives a task input of that layout
-    (default memory kind left implicit), so a layer block reading it is keyed and lowered alike
-    whether its input came from an earlier piece or from another group."""
-    if (
-        isinstance(sharding, NamedSharding)
-        and sharding.mesh == mesh
-        and sharding.memory_kind in (None, "device")
-    ):
-        return NamedSharding(mesh, sharding.spec)
-    return sharding
-
-
-def _device_bytes(aval, sharding) -> int:
-    """Bytes one device holds of an array of `aval` laid out by `sharding`."""
-    shape = sharding.shard_shape(aval.shape) if hasattr(sharding, "shard_shape") else aval.shape
-    n = 1
-    for d in shape:
-        n *= d
-    return n * aval.dtype.itemsize
-
-
-def _sds(aval, sharding):
-    return jax.ShapeDtypeStruct(
-        aval.shape, aval.dtype, sharding=sharding, weak_type=getattr(aval, "weak_type", False)
-    )
-
-
-def _jit_task(prog: Program, mpmd_mesh, ins: Run, in_shardings):
-    """(the `jax.jit` of `ins`'s program on its group's mesh, its abstract arguments)."""
-    code = ins.code
-    group = mpmd_mesh.unstack[code.rank]
-    eqns = rebind_meshes(code.eqns, (mpmd_mesh.lowering_mesh(), mpmd_mesh.jax_mesh), group)
-    fn = task_function(code, eqns)
-    if code.out_specs:
-        fn = _constrained(fn, code.out_specs, group)
-    fn = _named(fn, code.name)  # XLA's module name; JAX's compile events and logs say it
-    avals = tuple(_sds(prog.slot_aval[s], sh) for s, sh in zip(ins.ins, in_shardings))
-    return jax.jit(fn, donate_argnums=ins.donate, keep_unused=True), avals
-
-
-def _jit_piece(mpmd_mesh, code: TaskCode, piece, avals, in_shardings, donate):
-    """(the `jax.jit` of one piece of `code` on its group's mesh, its abstract arguments)."""
-    group = mpmd_mesh.unstack[code.rank]
-    eqns = rebind_meshes(piece.eqns, (mpmd_mesh.lowering_mesh(), mpmd_mesh.jax_mesh), group)
-    fn = piece_function(code, piece, eqns)
-    specs = _piece_specs(code, piece)
-    if specs:
-        fn = _constrained(fn, specs, group)
-    fn = _named(fn, piece_name(code, piece))
-    args = tuple(_sds(a, sh) for a, sh in zip(avals, in_shardings))
-    return jax.jit(fn, donate_argnums=donate, keep_unused=True), args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,11 +104,11 @@ def task_programs(
             continue
         in_sh = tuple(slot_sharding[s] for s in ins.ins)
         group = mpmd_mesh.unstack[ins.code.rank]
-        key = (_key(ins.code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
+        key = (task_key(ins.code), tuple(layout_key(sh, group) for sh in in_sh), ins.donate)
         if key in seen:
             continue
         seen.add(key)
-        fn, args = _jit_task(prog, mpmd_mesh, ins, in_sh)
+        fn, args = jit_task(prog, mpmd_mesh, ins, in_sh)
         out.append(TaskProgram(ins.code.name, ins.code.rank, ins.code.kind, fn, args))
     return out
 
@@ -506,7 +208,7 @@ def compile_program(
     per instr index, slot shardings this process needs, stats). With other groups on other
     processes, `exchange` (`publish(index, specs)`, `fetch(index)`) shares output layouts.
 
-    A distinct program (see `_key` and `_layout_key`: no device ids) is compiled once, for the
+    A distinct program (see `task_key` and `layout_key`: no device ids) is compiled once, for the
     first group that runs it; every other group gets that executable loaded onto its own devices
     (`jax_compat.load_compiled_on`), which takes milliseconds instead of an XLA compile.
     `compile_threads > 1` compiles independent programs concurrently on that many threads (a
@@ -549,12 +251,12 @@ def compile_program(
         with lock:
             if (id(code), j) not in fn_cache:
                 fn_cache[(id(code), j)] = (
-                    _key(code) if j is None else _piece_key(code, pieces(code)[j])
+                    task_key(code) if j is None else piece_key(code, pieces(code)[j])
                 )
             return fn_cache[(id(code), j)]
 
     def lower(code, ins, in_sh):
-        jitted, avals = _jit_task(prog, mpmd_mesh, ins, in_sh)
+        jitted, avals = jit_task(prog, mpmd_mesh, ins, in_sh)
         return jitted.lower(*avals)
 
     recipes_made: dict = {}
@@ -566,7 +268,7 @@ def compile_program(
         with lock:
             if key not in recipes_made:
                 piece = pieces(code)[j]
-                jitted, args = _jit_piece(mpmd_mesh, code, piece, avals, in_sh, donate)
+                jitted, args = jit_piece(mpmd_mesh, code, piece, avals, in_sh, donate)
                 recipes_made[key] = TaskProgram(
                     piece_name(code, piece), code.rank, code.kind, jitted, args
                 )
@@ -666,23 +368,31 @@ def compile_program(
             for piece in parts
         ]
         last_reader = {p: j for j, args in enumerate(reads) for p in args if p is not None}
-        steps, recipes = [], []
+        steps, recipes, donated = [], [], set()
         for j, piece in enumerate(parts):
             args = [where[v] for v in piece.invars] + [acc_at[k] for k in piece.owned]
             if loop:
                 args.append(n_args - 1)  # the microbatch index
-            donate = tuple(  # a donated task input goes to the last piece reading it
+            # A donated task input goes to the last piece reading it, but for a scalar: a
+            # scalar (a step count, a clip factor) is read by a varying number of a group's
+            # parts, so its donation would make a part shared by groups differ per group; the
+            # chain deletes such inputs after its last piece (`ChainedExecutable.consume`).
+            donate = tuple(
                 a
                 for a, p in enumerate(args)
-                if p < n_args and p in ins.donate and last_reader.get(p) == j
+                if p < n_args
+                and p in ins.donate
+                and last_reader.get(p) == j
+                and env_aval[p].shape != ()
             )
+            donated.update(args[a] for a in donate)
             p_sh = tuple(env_sh[p] for p in args)
             p_aval = [env_aval[p] for p in args]
-            key = (key_of(code, j), tuple(_layout_key(sh, group) for sh in p_sh), donate)
+            key = (key_of(code, j), tuple(layout_key(sh, group) for sh in p_sh), donate)
             recipe = recipe_of(code, j, p_aval, p_sh, donate)
             exe = program(key, code.rank, recipe.name, lambda r=recipe: r.fn.lower(*r.args))
             recipes.append((key, recipe))
-            out_sh = [_plain(sh, group) for sh in exe.output_shardings]
+            out_sh = [plain_sharding(sh, group) for sh in exe.output_shardings]
             for v, sh in zip(piece.outvars, out_sh):
                 where[v] = len(env_sh)
                 env_sh.append(sh)
@@ -699,7 +409,8 @@ def compile_program(
             n_args,
             in_sh,
             [env_sh[p] for p in results],
-            [_device_bytes(a, sh) for a, sh in zip(env_aval, env_sh)],
+            [device_bytes(a, sh) for a, sh in zip(env_aval, env_sh)],
+            consume=[p for p in ins.donate if p not in donated],
         )
         chain.programs = recipes  # (program key, how it was compiled): see `task_programs`
         return chain
@@ -711,7 +422,7 @@ def compile_program(
         if parts:
             return chained(ins, in_sh, parts)
         group = mpmd_mesh.unstack[code.rank]
-        key = (key_of(code), tuple(_layout_key(sh, group) for sh in in_sh), ins.donate)
+        key = (key_of(code), tuple(layout_key(sh, group) for sh in in_sh), ins.donate)
         return program(key, code.rank, code.name, lambda: lower(code, ins, in_sh))
 
     def compile_and_share(ins, idx):
@@ -757,26 +468,3 @@ def compile_program(
     need = _needed_here(prog, local) if len(local) < mpmd_mesh.mpmd_dim else slot_sharding
     lazy = lambda s: isinstance(slot_sharding[s], _Remote) or callable(slot_sharding[s])  # noqa: E731
     return executables, {s: resolve(s) for s in slot_sharding if s in need or not lazy(s)}, stats
-
-
-def _named(fn, name: str):
-    """`fn` under the function name `name` (what `jax.jit` names the program after)."""
-
-    def program(*args):
-        return fn(*args)
-
-    program.__name__ = program.__qualname__ = name
-    return program
-
-
-def _constrained(fn, specs, mesh: Mesh):
-    """`fn` with output i constrained to `specs[i]` on `mesh` (None: left to XLA)."""
-
-    def wrapped(*args):
-        outs = fn(*args)
-        return [
-            o if s is None else jax.lax.with_sharding_constraint(o, NamedSharding(mesh, s))
-            for o, s in zip(outs, specs)
-        ]
-
-    return wrapped
