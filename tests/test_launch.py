@@ -160,12 +160,9 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_them(tmp_path
     assert "[p1] srun: process 1 of 2, coordinator 127.0.0.1:" in log
     # each process compiles only its own group's task programs
     for p in range(2):
-        assert (
-            _compiled_here(
-                "\n".join(x for x in log.splitlines() if x.startswith(f"[p{p}]")), p, [p]
-            )
-            == (5, 0)
-        )
+        assert _compiled_here(
+            "\n".join(x for x in log.splitlines() if x.startswith(f"[p{p}]")), p, [p]
+        ) == (5, 0)
     full = _losses(tmp_path, "two")
     assert sorted(full) == list(range(1, 11))
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["10", "5"]

@@ -50,8 +50,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_integration.compiler.blocks import ChainedExecutable, after_loop_pieces
+from jaxpp_integration.compiler.blocks import ChainedExecutable
 from jaxpp_integration.compiler.program import Fill, Program, Run, Transfer
+from jaxpp_integration.compiler.shared_parts import after_loop_pieces
 from jaxpp_integration.compiler.task_functions import (
     device_bytes,
     jit_piece,

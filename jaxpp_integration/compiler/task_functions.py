@@ -13,16 +13,12 @@ each distinct key once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 
+from jaxpp_integration.compiler.program import Program, Run, TaskCode
 from jaxpp_integration.frontend.treduce import microbatch
-
-if TYPE_CHECKING:  # (program.py imports blocks.py, which imports this module)
-    from jaxpp_integration.compiler.program import Program, Run, TaskCode
 
 
 def rebind_meshes(eqns, src_meshes, dst_mesh: Mesh):

@@ -51,7 +51,8 @@ class Watchdog:
         self.current = None
 
     def watch(self, index: int, array) -> None:
-        """Expect `array` (the result of instruction `index`) to become ready in time."""
+        """Expect `array` (the result of instruction `index`: an array or a list of them, e.g.
+        a transfer batch's outputs) to become ready in time."""
         if array is not None:
             with self._lock:
                 self.pending.append((time.monotonic(), index, array))
@@ -88,6 +89,9 @@ class Watchdog:
 
 
 def _ready(array) -> bool:
+    """An array, or every array of a batch's outputs (a list), is done."""
+    if isinstance(array, (list, tuple)):
+        return all(_ready(a) for a in array)
     try:
         return array.is_ready()
     except Exception:  # a deleted or donated buffer is no longer waited on
