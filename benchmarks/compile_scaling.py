@@ -53,7 +53,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 LAYERS = (4, 8, 16, 32, 64)
 COMMON = (

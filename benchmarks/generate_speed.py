@@ -17,12 +17,10 @@ import datetime
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
