@@ -155,3 +155,30 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
         {("MaxText.config", "MaxText.planning"), ("MaxText.train", "MaxText.config")}
     ) == {("MaxText.config", "MaxText.planning")}
     assert _layer_of("MaxText.planning.cost_model") == "MaxText.planning"
+
+
+def private_imports(modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module, name) for every `from <project module> import _name` of another module's
+    private name (packages talk through public names)."""
+    found = []
+    for m, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in MODULES:
+                found += [
+                    (m, f"{node.module}.{a.name}")
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(MODULES) == []
+
+
+def test_the_private_name_check_catches_one(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from jaxpp_integration.compiler.compile import _Remote\n")
+    assert private_imports({"probe": probe}) == [
+        ("probe", "jaxpp_integration.compiler.compile._Remote")
+    ]

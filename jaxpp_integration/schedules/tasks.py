@@ -100,7 +100,7 @@ def task_dependencies(task: Task, num_stages: int, split_backward: bool) -> tupl
     return tuple(deps)
 
 
-def _accumulation_predecessor(task: Task) -> Task | None:
+def accumulation_predecessor(task: Task) -> Task | None:
     """The task that must precede ``task`` on its stage so gradients add up in microbatch order."""
     if task.phase in (Phase.BWD, Phase.BWD_W) and task.microbatch > 0:
         return Task(task.stage, task.microbatch - 1, task.phase)

@@ -15,7 +15,7 @@ from jaxpp_integration.schedules.tasks import (
     ScheduleError,
     StageId,
     Task,
-    _accumulation_predecessor,
+    accumulation_predecessor,
     item_tasks,
     task_dependencies,
 )
@@ -336,7 +336,7 @@ def validate_tasks(
                             per_rank,
                             [(rank, step)],
                         )
-                prev = _accumulation_predecessor(task)
+                prev = accumulation_predecessor(task)
                 if prev is not None:
                     prev_step = seen[prev][1]
                     if prev_step > step or (prev_step == step and prev not in inner[:i]):
