@@ -142,4 +142,21 @@ class StopRequests:
             flush=True,
         )
         sys.stdout.flush()
+        _release_process_semaphores()
         os._exit(exit_codes.after_signal(signum))
+
+
+def _release_process_semaphores() -> None:
+    """Runs the exit-time cleanups of multiprocessing's own objects in this process (the
+    semaphores of the data workers' queues: unlinked and unregistered), which `os._exit` skips;
+    the resource tracker would otherwise unlink them itself and warn of "leaked semaphore
+    objects". Cleanups of priority < 0 (joining queue feeder threads) are not run: they may
+    block. A stdlib function without a public spelling, hence the guard."""
+    import multiprocessing.util
+
+    run = getattr(multiprocessing.util, "_run_finalizers", None)
+    if run is not None:
+        try:
+            run(0)
+        except Exception:  # noqa: BLE001 (exiting anyway; the tracker still cleans up)
+            pass
