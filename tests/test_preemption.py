@@ -97,6 +97,21 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
+_STARTED: list = []  # every Trainer a test started: none may outlive its test
+
+
+@pytest.fixture(autouse=True)
+def _no_trainer_left_running():
+    """A test that fails before its trainer exits (a `wait_for` timing out) must not leave it
+    training (`steps=100000`) with its data workers: its process group is killed."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop().proc
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
 class Trainer:
     """A trainer subprocess in its own session; its output is collected line by line."""
 
@@ -113,6 +128,7 @@ class Trainer:
             text=True,
             start_new_session=True,
         )
+        _STARTED.append(self)
         self.lines: list[str] = []
         self._seen = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
