@@ -46,3 +46,24 @@ def no_compilation_cache(monkeypatch):
     yield
     jax.config.update("jax_compilation_cache_dir", before)
     reset_compilation_cache()
+
+
+# ---------------------------------------------------------------- time per test file (CI budget)
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sums setup, call and teardown time per test file (with xdist: on the controller)."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 test files that take longest (their tests' summed time; the CI budget is 20
+    minutes for the whole clean-clone run, `.ci/run`)."""
+    if not _FILE_SECONDS:
+        return
+    top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("-", f"time per test file, slowest 15 of {len(_FILE_SECONDS)}")
+    for path, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")

@@ -115,6 +115,37 @@ def test_prepare_writes_every_document_tokenized_in_shards(prepared):
         assert r[0] == tok.bos_id and r[-1] == tok.eos_id
 
 
+def test_add_bos_and_add_eos_are_written_and_must_agree_with_the_config(prepared, tmp_path):
+    """MaxText's add_bos/add_eos: `prepare --add_bos false` writes documents without BOS (EOS
+    kept) and records it; a training config that disagrees is refused in one data-error line
+    naming the key and both fixes, before any batch is read; the config that agrees trains."""
+    shards, manifest, texts = prepared
+    assert (manifest["add_bos"], manifest["add_eos"]) == (True, True)
+    out = tmp_path / "no_bos"
+    argv = ["--input", str(shards.parent / "corpus"), "--out", str(out), "--quiet"]
+    argv += ["--tokenizer_path", str(shards / "tokenizer.model"), "--add_bos", "false"]
+    assert prepare_lib.main(argv) == 0
+    tok = load_sentencepiece(str(out / "tokenizer.model"))
+    written = json.loads((out / "manifest.json").read_text())
+    assert (written["add_bos"], written["add_eos"]) == (False, True)
+    train = records(out, "train")
+    assert len(train) == len(texts)
+    for r in train:
+        assert r[0] != tok.bos_id and r[-1] == tok.eos_id
+    assert sorted(r.tolist() for r in train) == sorted(
+        r[1:].tolist() for r in records(shards, "train") + records(shards, "eval")
+    )
+    pattern = str(out / "train-*.array_record")
+    with pytest.raises(DataError) as refused:
+        make_data(config(out, grain_eval_files="", add_bos=True, add_eos=True))
+    assert str(refused.value) == (
+        f"grain_train_files={pattern!r} was prepared with add_bos=false but the config has "
+        "add_bos=true; set add_bos=false, or prepare the data again with --add_bos true"
+    )
+    batch = next(make_data(config(out, grain_eval_files="", add_bos=False, add_eos=True)).train)
+    assert batch["inputs"].shape == (4, L)
+
+
 def test_prepare_errors_are_one_line(tmp_path, prepared, capsys):
     shards, _, _ = prepared
     assert prepare_lib.main(["--input", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2

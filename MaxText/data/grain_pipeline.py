@@ -62,7 +62,7 @@ class TokenShards:
     """The shards a glob names, and their folder's manifest."""
 
     def __init__(self, pattern: str, key: str):
-        self.pattern = pattern
+        self.pattern, self.key = pattern, key
         files = sorted(glob.glob(str(pathlib.Path(pattern).expanduser()), recursive=True))
         files = [f for f in files if f.endswith(".array_record")]
         if not files:

@@ -328,6 +328,20 @@ def _synthetic_data(opts: _Options) -> Data:
     )
 
 
+def _check_special_tokens(shards, opts: _Options) -> None:
+    """The shards' documents carry BOS/EOS as the config's add_bos/add_eos say (tokenized by
+    `prepare`, they cannot follow the config at run time; manifests without the record were
+    written with both)."""
+    for key, wanted in (("add_bos", opts.add_bos), ("add_eos", opts.add_eos)):
+        written = bool(shards.manifest.get(key, True))
+        if written != bool(wanted):
+            w, c = str(written).lower(), str(bool(wanted)).lower()
+            raise DataError(
+                f"{shards.key}={shards.pattern!r} was prepared with {key}={w} but the config has "
+                f"{key}={c}; set {key}={w}, or prepare the data again with --{key} {c}"
+            )
+
+
 def _grain_data(opts: _Options) -> Data:
     from MaxText.data import grain_pipeline as gp
 
@@ -355,6 +369,9 @@ def _grain_data(opts: _Options) -> Data:
             f"the shards' tokenizer has {tokenizer.vocab_size} pieces but "
             f"vocab_size={opts.vocab_size}; set vocab_size >= {tokenizer.vocab_size}"
         )
+    for shards in (train_shards, eval_shards):
+        if shards is not None:
+            _check_special_tokens(shards, opts)
     k = train_shards.documents_per_window(opts.seq_len)
     windows = gp.train_windows(
         train_shards,

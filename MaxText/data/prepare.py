@@ -2,6 +2,7 @@
 
     python -m MaxText.data.prepare --input DIR_OR_GLOB --out DIR
         [--tokenizer_path M | --vocab_size V] [--shard_size N] [--eval_fraction F]
+        [--add_bos true|false] [--add_eos true|false]
 
 Reads `.txt`, `.md` (markdown stripped as for dataset_type=text) and `.jsonl` (one document per
 line, field `text`) files: every such file under a folder (recursively), or the files a glob
@@ -11,7 +12,9 @@ byte-fallback BPE options as dataset_type=text, on at most `MAX_TRAINING_CHARS` 
 text) unless `--tokenizer_path` names one; the second tokenizes and writes.
 
 `--out` receives
-  train-00000.array_record ...   one record per document: its token ids with BOS/EOS, as
+  train-00000.array_record ...   one record per document: its token ids with BOS/EOS (unless
+                                 --add_bos/--add_eos false: MaxText's keys, recorded in the
+                                 manifest; a training config must agree), as
                                  little-endian `dtype` (uint16 when the vocabulary fits, else int32)
   eval-00000.array_record ...    with --eval_fraction > 0: the documents whose name hashes below
                                  the fraction (stable under reordering or adding files)
@@ -200,8 +203,12 @@ def prepare(
     shard_size: int = 65536,
     eval_fraction: float = 0.0,
     quiet: bool = False,
+    add_bos: bool = True,
+    add_eos: bool = True,
 ) -> dict:
-    """Writes the shards, tokenizer and manifest into `out_dir`; returns the manifest."""
+    """Writes the shards, tokenizer and manifest into `out_dir`; returns the manifest.
+    `add_bos`/`add_eos`: whether each document starts with BOS / ends with EOS (MaxText's keys;
+    the trainer refuses shards whose choice differs from its config's)."""
     if shard_size < 1:
         raise DataError(f"--shard_size={shard_size}: must be >= 1")
     if not 0.0 <= eval_fraction < 1.0:
@@ -240,8 +247,8 @@ def prepare(
 
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
     writers = {s: _Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
-    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
-    eos = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
+    bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id >= 0 else []
+    eos = [tokenizer.eos_id] if add_eos and tokenizer.eos_id >= 0 else []
     bar = _progress_bar(files, "tokenizing", quiet)
     pending: list[Document] = []
 
@@ -274,6 +281,8 @@ def prepare(
         "bos_id": tokenizer.bos_id,
         "eos_id": tokenizer.eos_id,
         "pad_id": tokenizer.pad_id,
+        "add_bos": bool(add_bos),
+        "add_eos": bool(add_eos),
         "input": input_spec,
         "input_files": len(files),
         "eval_fraction": eval_fraction,
@@ -297,6 +306,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard")
     parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    for key in ("add_bos", "add_eos"):
+        parser.add_argument(
+            f"--{key}",
+            type=_flag,
+            default=True,
+            metavar="true|false",
+            help=f"{key.split('_')[1].upper()} around each document (MaxText's key; default true)",
+        )
     args = parser.parse_args(argv)
     return exit_codes.run(lambda: _run(args))
 
@@ -326,7 +343,16 @@ def _prepare(args) -> dict:
         shard_size=args.shard_size,
         eval_fraction=args.eval_fraction,
         quiet=args.quiet,
+        add_bos=args.add_bos,
+        add_eos=args.add_eos,
     )
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return value == "true"
 
 
 if __name__ == "__main__":
