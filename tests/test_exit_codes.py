@@ -127,6 +127,44 @@ def test_train_config_error_exits_2(tmp_path, capsys, no_compile):
     assert _one_line(capsys).startswith("config error: unknown config key 'num_decoder_layer'")
 
 
+def test_a_signal_while_compiling_stops_at_once(tmp_path, capsys, monkeypatch):
+    """SIGTERM before the first step (here: while the step compiles): the trainer stops at once,
+    says nothing new was saved and exits 143; no checkpoint is written."""
+
+    def compiling(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the trainer's handler ends this
+        raise AssertionError("the signal did not stop the compile")
+
+    monkeypatch.setattr(train_lib, "build_trainer", compiling)
+    started = time.monotonic()
+    code = train_lib.main([*BASE, f"base_output_directory={tmp_path}", "run_name=run"])
+    assert code == 143 and time.monotonic() - started < 20
+    assert _one_line(capsys) == "SIGTERM: stopped before the first step; nothing new to save"
+    assert not [p for p in (tmp_path / "run" / "checkpoints").glob("*") if p.name.isdigit()]
+
+
+def test_a_failing_metrics_write_is_one_io_line(tmp_path, capsys, monkeypatch):
+    """Writing metrics.jsonl fails (a full disk) at step 1: one `I/O error:` line naming the
+    file, the errno and the newest checkpoint on disk (none yet), exit 1."""
+    import errno
+
+    from MaxText import metrics
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics.MetricsLogger, "write", full)
+    argv = [*BASE, f"base_output_directory={tmp_path}", "run_name=run", "log_period=1"]
+    assert train_lib.main(argv) == 1
+    line = _one_line(capsys)
+    assert line.startswith(
+        f"I/O error: writing metrics to {tmp_path / 'run' / 'metrics.jsonl'} failed: No space "
+        "left on device, ENOSPC; "
+    ), line
+    assert "checkpoint" in line, line
+
+
 # ------------------------------------------------------------------------------------------ plan
 
 
