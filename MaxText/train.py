@@ -209,7 +209,7 @@ def run(
             batch = trainer.put_batch(next(train_iter))
             step_kwargs = profiler.step_kwargs(step)  # starts the trace; the engine's timing
             clock.dispatching()
-            if step == start + 1:  # peak bytes per group, measured once (a slower step)
+            if step == start + 1:  # peak bytes per group, measured once (from the program's events)
                 state, metrics, measured_peaks = measured_train_step(
                     trainer, state, batch, **step_kwargs
                 )
