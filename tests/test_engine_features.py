@@ -235,3 +235,31 @@ def test_optimizer_state_stays_on_its_stage_group():
     for tree in (new_params, adam.mu, adam.nu):
         assert_on_group(tree["embed"], mesh, (0,))
         assert_on_group(tree["head"], mesh, (3,))
+
+
+def test_a_chain_of_thousands_of_equations_partitions():
+    """A stage whose output is 1,500 equations deep (as an unrolled 64-layer model's is): the
+    partitioner's walks over the equations are iterative (a recursive one hit Python's recursion
+    limit at `num_decoder_layers=64 scan_layers=false pipeline_parallelism=4`). The step equals
+    `jax.jit`'s loss bitwise."""
+    params, batch, base_loss = tied_mlp_setup(2, 2)
+
+    def loss_fn(p, b):
+        tok, tgt = b
+        h = p["embed"][tok]
+        for _ in range(1500):
+            h = h * 1.0001
+        h = jaxpp.pipeline_enter_stage(jnp.tanh(h @ p["layers"][0]) + h)
+        logits = jnp.tanh(h @ p["layers"][1]) @ p["embed"].T
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, tgt[..., None], axis=-1))
+
+    opt = clipping_sgd()
+    step = make_step(loss_fn, opt, jaxpp.Std1F1B(2))
+    opt_state = opt.init(params)
+    compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2)).compile(
+        params, opt_state, batch
+    )
+    assert_bitwise(
+        jax.jit(step)(params, opt_state, batch)[2], compiled(params, opt_state, batch)[2]
+    )

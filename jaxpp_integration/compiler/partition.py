@@ -161,18 +161,31 @@ def _recompute_constants(clusters) -> None:
     made_by = {o: e for eqns in clusters.values() for e in eqns for o in e.outvars}
     constant: dict = {}
 
-    def is_constant(e) -> bool:
-        if id(e) not in constant:
-            constant[id(e)] = False  # (cycles cannot occur in a jaxpr; this ends recursion)
+    def is_constant(first) -> bool:
+        # Depth-first over the equations it reads, with a stack of our own: the chain of an
+        # unrolled model's equations is thousands deep (Python's recursion limit is 1000).
+        stack, entered = [first], set()
+        while stack:
+            e = stack[-1]
+            if id(e) in constant:
+                stack.pop()
+                continue
+            inputs = [made_by[v] for v in e.invars if isinstance(v, Var) and v in made_by]
+            todo = [d for d in inputs if id(d) not in constant]
+            if todo and id(e) not in entered:
+                entered.add(id(e))
+                stack.extend(todo)
+                continue
+            stack.pop()
             constant[id(e)] = (
                 bool(e.outvars)
                 and not e.effects
                 and all(
-                    not isinstance(v, Var) or (v in made_by and is_constant(made_by[v]))
+                    not isinstance(v, Var) or (v in made_by and constant.get(id(made_by[v]), False))
                     for v in e.invars
                 )
             )
-        return constant[id(e)]
+        return constant[id(first)]
 
     for key, eqns in clusters.items():
         local = {o for e in eqns for o in e.outvars}
