@@ -1,7 +1,7 @@
 """Compile time of the trainer's real step against depth (issue 24's table): SPMD vs pipelined,
 scanned vs unrolled, plus what a warm restart and two processes compile.
 
-Run from the repository root on a quiet machine (about 40 minutes on 2 cores; the unrolled
+Run from the repository root on a quiet machine (about 7 minutes on 2 cores; the unrolled
 L=64 cells dominate):
 
     .venv/bin/python benchmarks/compile_scaling.py
