@@ -156,6 +156,7 @@ def test_a_failing_metrics_write_is_one_io_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(metrics.MetricsLogger, "write", full)
     argv = [*BASE, f"base_output_directory={tmp_path}", "run_name=run", "log_period=1"]
+    argv.append("enable_progress_bar=false")
     assert train_lib.main(argv) == 1
     line = _one_line(capsys)
     assert line.startswith(
