@@ -33,6 +33,20 @@ SMALL_MODEL_SHAPE = [
 
 SMALL_MODEL = ["scan_layers=false", *SMALL_MODEL_SHAPE]
 
+# One synthetic step of a one-layer model, nothing written but metrics: for tests of what happens
+# around a run (process setup, refusals), not of what it computes.
+ONE_STEP = [
+    "dataset_type=synthetic",
+    "num_decoder_layers=1",
+    "max_target_length=16",
+    "per_device_batch_size=2",
+    "steps=1",
+    "eval_interval=0",
+    "enable_checkpointing=false",
+    "enable_tensorboard=false",
+    "enable_progress_bar=false",
+]
+
 
 def merged(*tokens: str) -> list[str]:
     """`tokens` (a command line) with a later `key=value` replacing an earlier one of the same

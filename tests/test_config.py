@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from small_model import ONE_STEP
 
 from MaxText.cluster import processes
 from MaxText.config import (
@@ -583,13 +584,7 @@ def test_unreadable_checkpoint_is_a_checkpoint_error(tmp_path, capsys):
     code = main(
         [
             BASE,
-            "dataset_type=synthetic",
-            "num_decoder_layers=1",
-            "steps=1",
-            "eval_interval=0",
-            "enable_checkpointing=false",
-            "enable_tensorboard=false",
-            "enable_progress_bar=false",
+            *ONE_STEP,
             f"base_output_directory={tmp_path}",
             f"load_parameters_path={empty}",
         ]

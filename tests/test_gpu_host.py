@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_model import ONE_STEP
 
 from MaxText.cluster import gpu_host
 
@@ -83,15 +84,7 @@ def _train(path: str, tmp_path: Path, *keys: str) -> subprocess.CompletedProcess
             sys.executable,
             "train.py",
             "configs/base.yml",
-            "dataset_type=synthetic",
-            "num_decoder_layers=1",
-            "max_target_length=16",
-            "per_device_batch_size=2",
-            "steps=1",
-            "eval_interval=0",
-            "enable_checkpointing=false",
-            "enable_tensorboard=false",
-            "enable_progress_bar=false",
+            *ONE_STEP,
             f"base_output_directory={tmp_path}",
             "run_name=fallback",
             *keys,

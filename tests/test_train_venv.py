@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_model import ONE_STEP
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,15 +52,7 @@ def test_reruns_itself_under_the_venv(bare_python, tmp_path):
     proc = _run(
         bare_python,
         REPO,
-        "dataset_type=synthetic",
-        "num_decoder_layers=1",
-        "max_target_length=16",
-        "per_device_batch_size=2",
-        "steps=1",
-        "eval_interval=0",
-        "enable_checkpointing=false",
-        "enable_tensorboard=false",
-        "enable_progress_bar=false",
+        *ONE_STEP,
         f"base_output_directory={tmp_path}",
         "run_name=venv",
     )
