@@ -30,6 +30,11 @@ from pathlib import Path
 
 from MaxText import exit_codes
 
+_STOPPED_AFTER_SIGNAL = (
+    exit_codes.after_signal(signal.SIGTERM),
+    exit_codes.after_signal(signal.SIGINT),
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
@@ -121,7 +126,9 @@ def _supervise(procs: list[subprocess.Popen], received: list[int], timeout: floa
     deadline = None if timeout is None else time.monotonic() + timeout
     code = 0
     while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
+        # A trainer that handled SIGTERM/SIGINT (exit 143/130) saved and stopped; its peers are
+        # stopping at the same step (JAX's preemption notice): let them save too.
+        failed = [p for p in procs if p.poll() not in (None, 0, *_STOPPED_AFTER_SIGNAL)]
         # After a forwarded signal every trainer is stopping on its own: let them save.
         if (failed and not received) or (deadline is not None and time.monotonic() > deadline):
             code = exit_codes.from_returncode(failed[0].returncode) if failed else 124

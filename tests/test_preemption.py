@@ -263,3 +263,32 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(shards, tmp
     assert all(why in line for line in stopped), stopped
     assert steps_on_disk(tmp_path) == [step]
     assert "Traceback" not in out
+
+
+def test_sigint_to_one_of_two_processes_stops_both_at_the_same_step(shards, tmp_path):
+    """SIGINT (Ctrl-C) reaching one process of two: its handler files JAX's preemption notice,
+    so both stop after the same step and save it together; that process exits 130, its peer 143
+    (the launcher, which did not send the signal, waits for both to save and returns process
+    0's code)."""
+    args = argv(shards, tmp_path, "steps=100000", "pipeline_parallelism=2")
+    launch = ["--num_processes", "2", "--timeout", "900", "--", *args]
+    launcher = Trainer(launch, module="MaxText.launch")
+    launcher.wait_for("[p0] step 5/")
+    p1 = [
+        pid
+        for pid in children(launcher.proc.pid)
+        if "process_id=1" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    assert len(p1) == 1
+    os.kill(p1[0], signal.SIGINT)
+    out = launcher.finish(timeout=600)
+    assert launcher.proc.returncode == 143, out[-3000:]
+    stopped = [line for line in out.splitlines() if "stopped after step" in line]
+    assert len(stopped) == 2, out[-3000:]
+    steps = {int(line.split("stopped after step ")[1].split(";")[0]) for line in stopped}
+    assert len(steps) == 1, stopped
+    (step,) = steps
+    codes = {line.split(" ", 1)[0]: line.rsplit("exit code ", 1)[1] for line in stopped}
+    assert codes == {"[p0]": "143", "[p1]": "130"}, stopped
+    assert steps_on_disk(tmp_path) == [step]
+    assert "Traceback" not in out
