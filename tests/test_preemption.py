@@ -237,9 +237,10 @@ def test_a_second_sigint_stops_at_once_without_saving(shards, tmp_path):
         assert integrity.verify_checksums(tmp_path / "run" / "checkpoints" / str(step))
 
 
-def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(shards, tmp_path):
-    """JAX's preemption sync point: the process that got SIGTERM and its peer stop after the
-    same step, save it together and exit 143; the launcher returns 143."""
+def _signal_one_of_two(shards, tmp_path, signum: int) -> tuple[Trainer, str, dict, int]:
+    """A 2-process run (pp=2) under the launcher; `signum` sent to process 1 alone at step 5.
+    Returns (launcher, output, {"[p0]": exit code text, "[p1]": ...}, the step both stopped
+    after), having checked that both stopped after that one step and saved it together."""
     args = argv(shards, tmp_path, "steps=100000", "pipeline_parallelism=2")
     launch = ["--num_processes", "2", "--timeout", "900", "--", *args]
     launcher = Trainer(launch, module="MaxText.launch")
@@ -250,19 +251,27 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(shards, tmp
         if "process_id=1" in Path(f"/proc/{pid}/cmdline").read_text()
     ]
     assert len(p1) == 1
-    os.kill(p1[0], signal.SIGTERM)
+    os.kill(p1[0], signum)
     out = launcher.finish(timeout=600)
-    assert launcher.proc.returncode == 143, out[-3000:]
     stopped = [line for line in out.splitlines() if "stopped after step" in line]
     assert len(stopped) == 2, out[-3000:]
     steps = {int(line.split("stopped after step ")[1].split(";")[0]) for line in stopped}
     assert len(steps) == 1, stopped  # the same step on both processes
     (step,) = steps
-    assert {line.split(" ", 1)[0] for line in stopped} == {"[p0]", "[p1]"}
-    why = "SIGTERM (a preemption notice to this job): stopped after step"
-    assert all(why in line for line in stopped), stopped
     assert steps_on_disk(tmp_path) == [step]
     assert "Traceback" not in out
+    codes = {line.split(" ", 1)[0]: line.rsplit("exit code ", 1)[1] for line in stopped}
+    return launcher, out, codes, step
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(shards, tmp_path):
+    """JAX's preemption sync point: the process that got SIGTERM and its peer stop after the
+    same step, save it together and exit 143; the launcher returns 143."""
+    launcher, out, codes, _ = _signal_one_of_two(shards, tmp_path, signal.SIGTERM)
+    assert launcher.proc.returncode == 143, out[-3000:]
+    assert codes == {"[p0]": "143", "[p1]": "143"}
+    why = "SIGTERM (a preemption notice to this job): stopped after step"
+    assert all(why in line for line in out.splitlines() if "stopped after step" in line)
 
 
 def test_sigint_to_one_of_two_processes_stops_both_at_the_same_step(shards, tmp_path):
@@ -270,25 +279,6 @@ def test_sigint_to_one_of_two_processes_stops_both_at_the_same_step(shards, tmp_
     so both stop after the same step and save it together; that process exits 130, its peer 143
     (the launcher, which did not send the signal, waits for both to save and returns process
     0's code)."""
-    args = argv(shards, tmp_path, "steps=100000", "pipeline_parallelism=2")
-    launch = ["--num_processes", "2", "--timeout", "900", "--", *args]
-    launcher = Trainer(launch, module="MaxText.launch")
-    launcher.wait_for("[p0] step 5/")
-    p1 = [
-        pid
-        for pid in children(launcher.proc.pid)
-        if "process_id=1" in Path(f"/proc/{pid}/cmdline").read_text()
-    ]
-    assert len(p1) == 1
-    os.kill(p1[0], signal.SIGINT)
-    out = launcher.finish(timeout=600)
+    launcher, out, codes, _ = _signal_one_of_two(shards, tmp_path, signal.SIGINT)
     assert launcher.proc.returncode == 143, out[-3000:]
-    stopped = [line for line in out.splitlines() if "stopped after step" in line]
-    assert len(stopped) == 2, out[-3000:]
-    steps = {int(line.split("stopped after step ")[1].split(";")[0]) for line in stopped}
-    assert len(steps) == 1, stopped
-    (step,) = steps
-    codes = {line.split(" ", 1)[0]: line.rsplit("exit code ", 1)[1] for line in stopped}
-    assert codes == {"[p0]": "143", "[p1]": "130"}, stopped
-    assert steps_on_disk(tmp_path) == [step]
-    assert "Traceback" not in out
+    assert codes == {"[p0]": "143", "[p1]": "130"}
