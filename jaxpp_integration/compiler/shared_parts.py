@@ -66,14 +66,10 @@ def after_loop_pieces(codes) -> dict:
     # cut only if that makes less to compile: XLA's work grows with a program's equations, plus
     # a fixed cost per program (identical whole tasks, as uniform stages have, share one compile)
     after = [c for c in codes if id(c) in parts]
-    whole = {str(make_jaxpr_of(c.eqns, c.invars, c.outvars)): len(c.eqns) for c in after}
+    task_text = {id(c): str(make_jaxpr_of(c.eqns, c.invars, c.outvars)) for c in after}
+    whole = {task_text[id(c)]: len(c.eqns) for c in after}
     cut = {piece_text[id(p)]: len(p.eqns) for c in after for p in out.get(id(c), ())}
-    cut.update(
-        (text, n)
-        for c in after
-        if not out.get(id(c))
-        for text, n in [(str(make_jaxpr_of(c.eqns, c.invars, c.outvars)), len(c.eqns))]
-    )
+    cut.update((task_text[id(c)], len(c.eqns)) for c in after if not out.get(id(c)))
     if sum(n + PROGRAM_COST_EQNS for n in cut.values()) >= sum(
         n + PROGRAM_COST_EQNS for n in whole.values()
     ):
