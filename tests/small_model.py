@@ -33,6 +33,16 @@ SMALL_MODEL_SHAPE = [
 
 SMALL_MODEL = ["scan_layers=false", *SMALL_MODEL_SHAPE]
 
+# MaxText's base_* model keys (scaled by global_parameter_scale) for a small model
+BASE_MODEL = [
+    "base_emb_dim=64",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "base_mlp_dim=96",
+    "base_num_decoder_layers=2",
+    "head_dim=16",
+]
+
 # One synthetic step of a one-layer model, nothing written but metrics: for tests of what happens
 # around a run (process setup, refusals), not of what it computes.
 ONE_STEP = [
