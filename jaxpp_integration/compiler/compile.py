@@ -196,172 +196,181 @@ class _Pending:
         return self.future.result().output_shardings[self.out]
 
 
-def compile_program(
-    prog: Program,
-    mpmd_mesh,
-    input_shardings: dict,
-    cache: dict,
-    compile_threads: int = 0,
-    local_ranks=None,
-    exchange=None,
-):
-    """Compiles the Runs of `prog` on `local_ranks` (default: every group); returns (executables
-    per instr index, slot shardings this process needs, stats). With other groups on other
-    processes, `exchange` (`publish(index, specs)`, `fetch(index)`) shares output layouts.
+class _Compiler:
+    """The state one `compile_program` call shares between its steps: slot shardings as they
+    become known, the distinct programs compiled or in flight, and the stats.
 
-    A distinct program (see `task_key` and `layout_key`: no device ids) is compiled once, for the
-    first group that runs it; every other group gets that executable loaded onto its own devices
-    (`jax_compat.load_compiled_on`), which takes milliseconds instead of an XLA compile.
-    `compile_threads > 1` compiles independent programs concurrently on that many threads (a
-    task waits only for the compiles whose output shardings it reads); this pays on hosts with
-    many free cores (GPU hosts), not on a small loaded CPU box."""
-    stats = CompileStats()
-    lock = threading.RLock()
-    in_flight: dict = {}  # (program key, rank) -> Future of the executable
-    programs = cache  # program key -> [(rank, Future)] of the groups it was compiled for
-    fn_cache: dict = {}
-    restored: dict = {}  # id(executable read from the persistent cache) -> how to lower it
-    fresh: dict = {}  # program key -> Future of the program compiled without that cache
-    pool = ThreadPoolExecutor(compile_threads) if compile_threads > 1 else None
+    Steps, in the order a task meets them: `executable_for` (one program, or a chain of
+    `pieces`) -> `program` (this group's copy: reused, loaded from another group's compile,
+    or compiled) -> `compile_one` (the XLA compile, or a persistent-cache read). `run` walks
+    the instructions once and returns what `compile_program` returns."""
 
-    local = frozenset(range(mpmd_mesh.mpmd_dim) if local_ranks is None else local_ranks)
-    assert exchange is not None or len(local) == mpmd_mesh.mpmd_dim, "remote groups need exchange"
-    shared = _shared_runs(prog) if exchange is not None else set()
-    slot_sharding: dict = dict(input_shardings)
-    for s in prog.constants:
-        slot_sharding[s] = mpmd_mesh.sharding(prog.slot_rank[s], PartitionSpec())
+    def __init__(self, prog, mpmd_mesh, input_shardings, cache, compile_threads, local, exchange):
+        self.prog, self.mesh, self.exchange, self.local = prog, mpmd_mesh, exchange, local
+        self.stats = CompileStats()
+        self.lock = threading.RLock()
+        self.in_flight: dict = {}  # (program key, rank) -> Future of the executable
+        self.programs = cache  # program key -> [(rank, Future)] of the groups it was compiled for
+        self.fn_cache: dict = {}
+        self.recipes_made: dict = {}
+        self.restored: dict = {}  # id(executable read from the persistent cache) -> how to lower
+        self.fresh: dict = {}  # program key -> Future of the program compiled without that cache
+        self.pool = ThreadPoolExecutor(compile_threads) if compile_threads > 1 else None
+        self.shared = _shared_runs(prog) if exchange is not None else set()
+        self.slot_sharding: dict = dict(input_shardings)
+        for s in prog.constants:
+            self.slot_sharding[s] = mpmd_mesh.sharding(prog.slot_rank[s], PartitionSpec())
+        # (programs are shared only between this process's groups)
+        codes = list({id(i.code): i.code for i in prog.instrs if isinstance(i, Run)}.values())
+        self.after_pieces = after_loop_pieces([c for c in codes if c.rank in local])
 
-    def resolve(slot):
-        sh = slot_sharding[slot]
+    # ------------------------------------------------------------------ slots and programs
+
+    def resolve(self, slot):
+        """The sharding of `slot`, waiting for the compile (or the process) that makes it."""
+        sh = self.slot_sharding[slot]
         if isinstance(sh, (_Pending, _Remote)):
-            sh = slot_sharding[slot] = sh.get()
+            sh = self.slot_sharding[slot] = sh.get()
         elif callable(sh):
-            sh = slot_sharding[slot] = sh()
+            sh = self.slot_sharding[slot] = sh()
         return sh
 
-    # (programs are shared only between this process's groups)
-    codes = list({id(i.code): i.code for i in prog.instrs if isinstance(i, Run)}.values())
-    after_pieces = after_loop_pieces([c for c in codes if c.rank in local])
-
-    def pieces(code):
+    def pieces(self, code):
         """The programs a task runs: a loop task cut at its layer scans (`TaskCode.pieces`),
         an after-loop task's shared and own parts (`after_loop_pieces`), or () for one."""
-        return code.pieces if code.kind == "loop" else after_pieces.get(id(code), ())
+        return code.pieces if code.kind == "loop" else self.after_pieces.get(id(code), ())
 
-    def key_of(code, j=None):
-        with lock:
-            if (id(code), j) not in fn_cache:
-                fn_cache[(id(code), j)] = (
-                    task_key(code) if j is None else piece_key(code, pieces(code)[j])
+    def key_of(self, code, j=None):
+        with self.lock:
+            if (id(code), j) not in self.fn_cache:
+                self.fn_cache[(id(code), j)] = (
+                    task_key(code) if j is None else piece_key(code, self.pieces(code)[j])
                 )
-            return fn_cache[(id(code), j)]
+            return self.fn_cache[(id(code), j)]
 
-    def lower(code, ins, in_sh):
-        jitted, avals = jit_task(prog, mpmd_mesh, ins, in_sh)
-        return jitted.lower(*avals)
-
-    recipes_made: dict = {}
-
-    def recipe_of(code, j, avals, in_sh, donate) -> TaskProgram:
+    def recipe_of(self, code, j, avals, in_sh, donate) -> TaskProgram:
         """How piece `j` of `code` is compiled with these inputs (made once: every other
         microbatch's instance reuses it)."""
         key = (id(code), j, tuple(in_sh), donate)
-        with lock:
-            if key not in recipes_made:
-                piece = pieces(code)[j]
-                jitted, args = jit_piece(mpmd_mesh, code, piece, avals, in_sh, donate)
-                recipes_made[key] = TaskProgram(
+        with self.lock:
+            if key not in self.recipes_made:
+                piece = self.pieces(code)[j]
+                jitted, args = jit_piece(self.mesh, code, piece, avals, in_sh, donate)
+                self.recipes_made[key] = TaskProgram(
                     piece_name(code, piece), code.rank, code.kind, jitted, args
                 )
-            return recipes_made[key]
+            return self.recipes_made[key]
 
-    def compile_one(name, lowering):
+    # ------------------------------------------------------------- obtaining an executable
+
+    def compile_one(self, name, lowering):
         t0 = time.perf_counter()
         with persistent_cache_reads() as reads:
             exe = lowering().compile()
-        with lock:
+        with self.lock:
             if reads.hits:  # read from jax_cache_dir, not compiled: see `movable_source`
-                stats.persistent_hits += 1
-                restored[id(exe)] = (lowering, reads.serialized[-1] if reads.serialized else None)
+                self.stats.persistent_hits += 1
+                serialized = reads.serialized[-1] if reads.serialized else None
+                self.restored[id(exe)] = (lowering, serialized)
             else:
-                stats.compiles += 1
-                stats.compiled.append(name)
-            stats.seconds[name] = time.perf_counter() - t0
+                self.stats.compiles += 1
+                self.stats.compiled.append(name)
+            self.stats.seconds[name] = time.perf_counter() - t0
         return exe
 
-    def movable_source(key, exe):
+    def movable_source(self, key, exe):
         """(`exe`, its serialized bytes if at hand). An executable read from JAX's persistent
         compilation cache is moved from the bytes read (XLA:CPU cannot serialize it again); if
         those are unknown, the program is compiled here once more, without the cache."""
-        with lock:
-            how = restored.get(id(exe))
+        with self.lock:
+            how = self.restored.get(id(exe))
             if how is None:
                 return exe, None
             lowering, serialized = how
             if serialized is not None:
                 return exe, serialized
-            mine = fresh.get(key)
-            if mine is None:
-                mine = fresh[key] = Future()
-                todo = True
-            else:
-                todo = False
+            mine = self.fresh.get(key)
+            todo = mine is None
+            if todo:
+                mine = self.fresh[key] = Future()
         if todo:
             with without_persistent_cache():  # lowered anew: a Lowered compiles once
                 mine.set_result(lowering().compile())
-            with lock:
-                stats.compiles += 1
-                stats.compiled.append("(again, uncached)")
+            with self.lock:
+                self.stats.compiles += 1
+                self.stats.compiled.append("(again, uncached)")
         return mine.result(), None
 
-    def program(key, rank, name, lowering):
+    def program(self, key, rank, name, lowering):
         """The executable of one distinct program on group `rank`: its own (another microbatch
         made it), loaded from another group's compile, or compiled here."""
-        with lock:
-            mine = in_flight.get((key, rank))
+        with self.lock:
+            mine = self.in_flight.get((key, rank))
             waiting = mine is not None  # this group has it already (another microbatch)
             if waiting:
-                stats.cache_hits += 1
+                self.stats.cache_hits += 1
             else:
-                mine = in_flight[(key, rank)] = (rank, Future())
-                sources = list(programs.get(key, ()))  # compiles of it for other groups
+                mine = self.in_flight[(key, rank)] = (rank, Future())
+                sources = list(self.programs.get(key, ()))  # compiles of it for other groups
                 if not sources:
-                    programs[key] = [mine]
+                    self.programs[key] = [mine]
         _, fut = mine
         if waiting:
             return fut.result()
         try:
-            exe = None
-            for src_rank, src_fut in sources:  # load a compile made for another group
-                source, serialized = movable_source(key, src_fut.result())
-                exe = load_compiled_on(
-                    source, mpmd_mesh.devices_of(src_rank), mpmd_mesh.devices_of(rank), serialized
-                )
-                if exe is not None:
-                    with lock:
-                        stats.loads += 1
-                    break
+            exe = self._load_from(sources, key, rank)
             if exe is None:  # the first group to run it, or JAX cannot move it here
-                exe = compile_one(name, lowering)
+                exe = self.compile_one(name, lowering)
                 if sources:
-                    with lock:
-                        programs[key].append(mine)
+                    with self.lock:
+                        self.programs[key].append(mine)
         except BaseException as e:
             fut.set_exception(e)
             raise
         fut.set_result(exe)
         return exe
 
-    def chained(ins, in_sh, parts):
+    def _load_from(self, sources, key, rank):
+        """`key`'s executable loaded onto group `rank` from a compile made for another group
+        (the first that moves), or None."""
+        for src_rank, src_fut in sources:
+            source, serialized = self.movable_source(key, src_fut.result())
+            exe = load_compiled_on(
+                source, self.mesh.devices_of(src_rank), self.mesh.devices_of(rank), serialized
+            )
+            if exe is not None:
+                with self.lock:
+                    self.stats.loads += 1
+                return exe
+        return None
+
+    # --------------------------------------------------------------------------- one task
+
+    def executable_for(self, ins):
+        code = ins.code
+        in_sh = tuple(self.resolve(s) for s in ins.ins)
+        parts = self.pieces(code)
+        if parts:
+            return self.chained(ins, in_sh, parts)
+        group = self.mesh.unstack[code.rank]
+        key = (self.key_of(code), tuple(layout_key(sh, group) for sh in in_sh), ins.donate)
+
+        def lower():
+            jitted, avals = jit_task(self.prog, self.mesh, ins, in_sh)
+            return jitted.lower(*avals)
+
+        return self.program(key, code.rank, code.name, lower)
+
+    def chained(self, ins, in_sh, parts):
         """A task run as several programs (`pieces`): each piece is compiled (or loaded) as
         a program of its own, shared by every stage and group where it is identical, and the
         pieces are chained into one executable for the task."""
         code = ins.code
-        group = mpmd_mesh.unstack[code.rank]
+        group = self.mesh.unstack[code.rank]
         loop = code.kind == "loop"
         n_args, n_in = len(ins.ins), len(code.invars)
         env_sh = list(in_sh)
-        env_aval = [prog.slot_aval[s] for s in ins.ins]
+        env_aval = [self.prog.slot_aval[s] for s in ins.ins]
         where = {v: i for i, v in enumerate(code.invars)}
         acc_at = {k: n_in + k for k in range(len(code.acc_ops))}
         reads = [
@@ -389,9 +398,9 @@ def compile_program(
             donated.update(args[a] for a in donate)
             p_sh = tuple(env_sh[p] for p in args)
             p_aval = [env_aval[p] for p in args]
-            key = (key_of(code, j), tuple(layout_key(sh, group) for sh in p_sh), donate)
-            recipe = recipe_of(code, j, p_aval, p_sh, donate)
-            exe = program(key, code.rank, recipe.name, lambda r=recipe: r.fn.lower(*r.args))
+            key = (self.key_of(code, j), tuple(layout_key(sh, group) for sh in p_sh), donate)
+            recipe = self.recipe_of(code, j, p_aval, p_sh, donate)
+            exe = self.program(key, code.rank, recipe.name, lambda r=recipe: r.fn.lower(*r.args))
             recipes.append((key, recipe))
             out_sh = [plain_sharding(sh, group) for sh in exe.output_shardings]
             for v, sh in zip(piece.outvars, out_sh):
@@ -416,56 +425,92 @@ def compile_program(
         chain.programs = recipes  # (program key, how it was compiled): see `task_programs`
         return chain
 
-    def executable_for(ins):
-        code = ins.code
-        in_sh = tuple(resolve(s) for s in ins.ins)
-        parts = pieces(code)
-        if parts:
-            return chained(ins, in_sh, parts)
-        group = mpmd_mesh.unstack[code.rank]
-        key = (key_of(code), tuple(layout_key(sh, group) for sh in in_sh), ins.donate)
-        return program(key, code.rank, code.name, lambda: lower(code, ins, in_sh))
-
-    def compile_and_share(ins, idx):
-        exe = executable_for(ins)
-        if idx in shared:  # other processes may wait for these layouts
-            exchange.publish(idx, [_spec_of(sh) for sh in exe.output_shardings])
+    def compile_and_share(self, ins, idx):
+        exe = self.executable_for(ins)
+        if idx in self.shared:  # other processes may wait for these layouts
+            self.exchange.publish(idx, [_spec_of(sh) for sh in exe.output_shardings])
         return exe
 
-    jobs = {}
-    # several processes: programs are compiled only here, so this process writes them to JAX's
-    # persistent compilation cache itself (JAX writes from process 0 only)
-    writes = persistent_cache_writes_here() if exchange is not None else contextlib.nullcontext()
-    try:
-        with writes:
-            for idx, ins in enumerate(prog.instrs):
-                if isinstance(ins, Transfer):
+    # ----------------------------------------------------------------- the whole program
 
-                    def moved(src=ins.src, rank=ins.dst_rank):
-                        return mpmd_mesh.sharding(rank, _spec_of(resolve(src)))
+    def visit(self, idx, ins, jobs):
+        """Records what instruction `idx` makes: a transfer's destination layout, another
+        process's outputs, a compile job (started now, or on the pool), a fill's layout."""
+        mesh, slot_sharding = self.mesh, self.slot_sharding
+        if isinstance(ins, Transfer):
 
-                    here = ins.src_rank in local or ins.dst_rank in local
-                    slot_sharding[ins.dst] = moved() if pool is None and here else moved
-                elif isinstance(ins, Run) and ins.code.rank not in local:
-                    specs = _remote_outputs(exchange, idx, mpmd_mesh.unstack[ins.code.rank])
-                    for j, s in enumerate(ins.outs):
-                        slot_sharding[s] = _Remote(specs, j)
-                elif isinstance(ins, Run):
-                    if pool is None:
-                        job = Future()
-                        job.set_result(compile_and_share(ins, idx))
-                    else:
-                        job = pool.submit(compile_and_share, ins, idx)
-                    jobs[idx] = job
-                    for j, s in enumerate(ins.outs):
-                        slot_sharding[s] = _Pending(job, j)
-                elif isinstance(ins, Fill):
-                    spec = prog.slot_spec.get(ins.slot, PartitionSpec())
-                    slot_sharding[ins.slot] = mpmd_mesh.sharding(ins.rank, spec)
-            executables = {idx: job.result() for idx, job in jobs.items()}
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
-    need = _needed_here(prog, local) if len(local) < mpmd_mesh.mpmd_dim else slot_sharding
-    lazy = lambda s: isinstance(slot_sharding[s], _Remote) or callable(slot_sharding[s])  # noqa: E731
-    return executables, {s: resolve(s) for s in slot_sharding if s in need or not lazy(s)}, stats
+            def moved(src=ins.src, rank=ins.dst_rank):
+                return mesh.sharding(rank, _spec_of(self.resolve(src)))
+
+            here = ins.src_rank in self.local or ins.dst_rank in self.local
+            slot_sharding[ins.dst] = moved() if self.pool is None and here else moved
+        elif isinstance(ins, Run) and ins.code.rank not in self.local:
+            specs = _remote_outputs(self.exchange, idx, mesh.unstack[ins.code.rank])
+            for j, s in enumerate(ins.outs):
+                slot_sharding[s] = _Remote(specs, j)
+        elif isinstance(ins, Run):
+            if self.pool is None:
+                job = Future()
+                job.set_result(self.compile_and_share(ins, idx))
+            else:
+                job = self.pool.submit(self.compile_and_share, ins, idx)
+            jobs[idx] = job
+            for j, s in enumerate(ins.outs):
+                slot_sharding[s] = _Pending(job, j)
+        elif isinstance(ins, Fill):
+            spec = self.prog.slot_spec.get(ins.slot, PartitionSpec())
+            slot_sharding[ins.slot] = mesh.sharding(ins.rank, spec)
+
+    def run(self):
+        jobs = {}
+        # several processes: programs are compiled only here, so this process writes them to
+        # JAX's persistent compilation cache itself (JAX writes from process 0 only)
+        writes = (
+            persistent_cache_writes_here()
+            if self.exchange is not None
+            else contextlib.nullcontext()
+        )
+        try:
+            with writes:
+                for idx, ins in enumerate(self.prog.instrs):
+                    self.visit(idx, ins, jobs)
+                executables = {idx: job.result() for idx, job in jobs.items()}
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+        return executables, self.slot_shardings_needed(), self.stats
+
+    def slot_shardings_needed(self) -> dict:
+        """The slot shardings this process needs (all of them on a single process), resolved."""
+        prog, local, slot_sharding = self.prog, self.local, self.slot_sharding
+        need = _needed_here(prog, local) if len(local) < self.mesh.mpmd_dim else slot_sharding
+
+        def lazy(s):
+            return isinstance(slot_sharding[s], _Remote) or callable(slot_sharding[s])
+
+        return {s: self.resolve(s) for s in list(slot_sharding) if s in need or not lazy(s)}
+
+
+def compile_program(
+    prog: Program,
+    mpmd_mesh,
+    input_shardings: dict,
+    cache: dict,
+    compile_threads: int = 0,
+    local_ranks=None,
+    exchange=None,
+):
+    """Compiles the Runs of `prog` on `local_ranks` (default: every group); returns (executables
+    per instr index, slot shardings this process needs, stats). With other groups on other
+    processes, `exchange` (`publish(index, specs)`, `fetch(index)`) shares output layouts.
+
+    A distinct program (see `task_key` and `layout_key`: no device ids) is compiled once, for the
+    first group that runs it; every other group gets that executable loaded onto its own devices
+    (`jax_compat.load_compiled_on`), which takes milliseconds instead of an XLA compile.
+    `compile_threads > 1` compiles independent programs concurrently on that many threads (a
+    task waits only for the compiles whose output shardings it reads); this pays on hosts with
+    many free cores (GPU hosts), not on a small loaded CPU box. The steps: `_Compiler`."""
+    local = frozenset(range(mpmd_mesh.mpmd_dim) if local_ranks is None else local_ranks)
+    assert exchange is not None or len(local) == mpmd_mesh.mpmd_dim, "remote groups need exchange"
+    compiler = _Compiler(prog, mpmd_mesh, input_shardings, cache, compile_threads, local, exchange)
+    return compiler.run()
