@@ -81,140 +81,118 @@ def run(
 
     Raises `TrainingDivergedError` on a NaN/Inf loss, `StorageError` when saving or writing
     metrics fails, and `Stopped` after saving the step reached when `stops` asks to stop.
+    The steps: `_Loop`.
     """
     stops = stops or StopRequests()
-    platform = jax.devices()[0].platform
-    peak = flops.peak_tflops(config, platform, jax.devices()[0].device_kind)
-    step_flops = flops.training_flops_per_step(config)
-    tflops_per_device = step_flops.total / config.num_devices / 1e12
-
     checkpoints = Checkpoints(config, trainer)
     try:
         state = checkpoints.restore_or_init(data)
     except BaseException:
         checkpoints.close()
         raise
-    start = int(np.asarray(state["step"]))
-    logger = MetricsLogger(config, mfu_estimate=peak.estimate, start_step=start)
-    info = getattr(data, "info", None)
-    if info is not None:
-        logger.info(info.summary())
-    logger.info(
-        f"model: {config.model_name} ({config.decoder_block}), "
-        f"{count_params(state['params']):,} parameters; "
-        f"{step_flops.total / 1e12:.3f} TFLOP per step "
-        f"({100 * step_flops.weights / step_flops.total:.0f}% weights, "
-        f"{100 * step_flops.attention / step_flops.total:.0f}% attention); "
-        f"peak {peak.tflops:.3f} TFLOP/s/device ({peak.source})"
-    )
-    logger.info(
-        f"mesh {dict(trainer.mesh.shape)}; {config.num_pipeline_microbatches} microbatches of "
-        f"{config.microbatch_size} x {config.max_target_length} tokens"
-        + (
+    loop = _Loop(config, trainer, data, checkpoints, state)
+    loop.log_start()
+    if loop.start >= config.steps:
+        loop.logger.info(
+            f"run {config.run_name} is already at step {loop.start} >= steps={config.steps}"
+        )
+        loop.logger.close()
+        checkpoints.close()
+        return {}
+    try:
+        loop.train(stops)
+    except BaseException:
+        loop.close(after_error=True)
+        raise
+    loop.close()
+    return loop.last
+
+
+class _Loop:
+    """One run of the training loop: the state, the logger and the per-step bookkeeping that
+    `train` (dispatch), `finish` (read a step's metrics) and `record` (log them) share."""
+
+    def __init__(self, config, trainer, data, checkpoints, state):
+        self.config, self.trainer, self.data, self.checkpoints = config, trainer, data, checkpoints
+        self.state = state
+        self.start = int(np.asarray(state["step"]))
+        device = jax.devices()[0]
+        self.peak = flops.peak_tflops(config, device.platform, device.device_kind)
+        self.step_flops = flops.training_flops_per_step(config)
+        self.tflops_per_device = self.step_flops.total / config.num_devices / 1e12
+        self.logger = MetricsLogger(config, mfu_estimate=self.peak.estimate, start_step=self.start)
+        self.window: list[float] = []  # step times since the last record
+        self.last: dict[str, Any] = {}
+        self.measured_peaks: list | None = None  # written into the first logged record
+        self.profiler: Profiler | None = None
+        self.clock = StepClock()
+
+    def log_start(self) -> None:
+        """The run's opening lines: data, model, mesh and compile, memory."""
+        config, trainer, info = self.config, self.trainer, self.logger.info
+        data_info = getattr(self.data, "info", None)
+        if data_info is not None:
+            info(data_info.summary())
+        step_flops = self.step_flops
+        info(
+            f"model: {config.model_name} ({config.decoder_block}), "
+            f"{count_params(self.state['params']):,} parameters; "
+            f"{step_flops.total / 1e12:.3f} TFLOP per step "
+            f"({100 * step_flops.weights / step_flops.total:.0f}% weights, "
+            f"{100 * step_flops.attention / step_flops.total:.0f}% attention); "
+            f"peak {self.peak.tflops:.3f} TFLOP/s/device ({self.peak.source})"
+        )
+        pipeline = (
             f"; schedule {config.pipeline_schedule}, stages of {list(config.stage_layers)} layers"
             if config.is_pipelined
             else ""
         )
-        + f"; step compiled in {trainer.compile_seconds:.1f} s"
-    )
-    stats = getattr(trainer.train_step, "compile_stats", None)
-    if stats is not None:  # pipelined: each process compiles only its own groups' programs
-        logger.info(
-            f"process {jax.process_index()}: task programs of groups "
-            f"{sorted(trainer.train_step.local_ranks)} compiled here: {stats.compiles} XLA "
-            f"compiles, {stats.persistent_hits} read from jax_cache_dir, {stats.loads} loaded "
-            "onto another group"
+        info(
+            f"mesh {dict(trainer.mesh.shape)}; {config.num_pipeline_microbatches} microbatches of "
+            f"{config.microbatch_size} x {config.max_target_length} tokens{pipeline}"
+            f"; step compiled in {trainer.compile_seconds:.1f} s"
         )
-    local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
-    memory.log_memory(logger.info, trainer.train_step, local)
-    if start >= config.steps:
-        logger.info(f"run {config.run_name} is already at step {start} >= steps={config.steps}")
-        logger.close()
-        checkpoints.close()
-        return {}
+        stats = getattr(trainer.train_step, "compile_stats", None)
+        if stats is not None:  # pipelined: each process compiles only its own groups' programs
+            info(
+                f"process {jax.process_index()}: task programs of groups "
+                f"{sorted(trainer.train_step.local_ranks)} compiled here: {stats.compiles} XLA "
+                f"compiles, {stats.persistent_hits} read from jax_cache_dir, {stats.loads} loaded "
+                "onto another group"
+            )
+        local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
+        memory.log_memory(info, trainer.train_step, local)
 
-    train_iter = iter(data.train)
-    window: list[float] = []
-    last: dict[str, Any] = {}
-    pending: tuple[int, dict[str, Any]] | None = None
-    measured_peaks: list | None = None  # written into the first logged record
-    profiler = Profiler(config, start, logger.info)
-
-    def on_disk() -> str:
+    def on_disk(self) -> str:
         """The newest checkpoint on disk, once a save still being written has finished."""
         with contextlib.suppress(StorageError):  # a failed save: the older one is named
-            checkpoints.wait()
-        return checkpoints.pending.describe_newest()
+            self.checkpoints.wait()
+        return self.checkpoints.pending.describe_newest()
 
-    def finish(step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
-        nonlocal last, measured_peaks
-        values = _scalars(metrics)  # blocks until `step` has finished
-        seconds = clock.step_seconds(step)
-        window.append(seconds)
-        if not math.isfinite(values["loss"]):
-            raise TrainingDivergedError(
-                f"loss is {values['loss']} at step {step}; aborting "
-                f"(try a lower learning_rate or a gradient_clipping_threshold); {on_disk()}"
-            )
-        logger.advance(step, values["loss"])
-        logger.step_line(
-            step,
-            seconds,
-            tflops_per_device / seconds,
-            config.tokens_per_step / seconds / config.num_devices,
-            values["tokens"],
-            values["loss"],
+    def train(self, stops: StopRequests) -> None:
+        """Steps `start + 1 .. steps`: dispatch step N, then read step N-1's metrics (or step
+        N's at once where the host must know them), evaluate, save, stop when asked."""
+        config, trainer, checkpoints, clock = (
+            self.config,
+            self.trainer,
+            self.checkpoints,
+            self.clock,
         )
-        record: dict[str, Any] = {}
-        if evaluate_now:
-            eval_loss, n = evaluate(
-                trainer, state["params"], data.eval_batches(), config.eval_steps
-            )
-            record.update(eval_loss=eval_loss, eval_batches=n)
-            clock.restart()  # do not charge evaluation to the next step
-        if evaluate_now or step % config.log_period == 0 or step == config.steps:
-            step_time = sum(window) / len(window)
-            achieved = tflops_per_device / step_time
-            record = {
-                "step": step,
-                "loss": values["loss"],
-                "step_time_s": step_time,
-                "tokens_per_s_per_device": config.tokens_per_step / step_time / config.num_devices,
-                "tflops_per_s_per_device": achieved,
-                "mfu": flops.mfu(achieved, peak),
-                "grad_norm": values["grad_norm"],
-                "raw_grad_norm": values["raw_grad_norm"],
-                "learning_rate": values["learning_rate"],
-                "total_weights": values["tokens"],
-                "tokens": values["tokens"],
-                **record,
-            }
-            if measured_peaks is not None:
-                record["peak_bytes_per_group"] = measured_peaks
-                measured_peaks = None
-            try:
-                logger.write(record)
-            except OSError as e:
-                raise StorageError(
-                    f"writing metrics to {config.metrics_file} failed: {os_reason(e)}; {on_disk()}"
-                ) from e
-            window.clear()
-            last = record
-
-    stops.on_stop_now = lambda: _stop_now(data, checkpoints)
-    clock = StepClock()
-    try:
+        self.profiler = Profiler(config, self.start, self.logger.info)
+        stops.on_stop_now = lambda: _stop_now(self.data, checkpoints)
+        train_iter = iter(self.data.train)
+        pending: tuple[int, dict[str, Any]] | None = None
         stops.loop_started()
-        for step in range(start + 1, config.steps + 1):
+        for step in range(self.start + 1, config.steps + 1):
             batch = trainer.put_batch(next(train_iter))
-            step_kwargs = profiler.step_kwargs(step)  # starts the trace; the engine's timing
+            step_kwargs = self.profiler.step_kwargs(step)  # starts the trace; engine timing
             clock.dispatching()
-            if step == start + 1:  # peak bytes per group, measured once (from the program's events)
-                state, metrics, measured_peaks = measured_train_step(
-                    trainer, state, batch, **step_kwargs
+            if step == self.start + 1:  # peak bytes per group, measured once (program events)
+                self.state, metrics, self.measured_peaks = measured_train_step(
+                    trainer, self.state, batch, **step_kwargs
                 )
             else:
-                state, metrics = trainer.train_step(state, batch, **step_kwargs)
+                self.state, metrics = trainer.train_step(self.state, batch, **step_kwargs)
             clock.dispatched(step, metrics)
             stopping = stops.should_stop(step)
             final = step == config.steps
@@ -225,34 +203,97 @@ def run(
             evaluate_now = config.eval_interval > 0 and (step % config.eval_interval == 0 or final)
             saving = stopping or checkpoints.should_save(step, final)
             if pending is not None:
-                finish(*pending, evaluate_now=False)
+                self.finish(*pending, evaluate_now=False)
                 pending = None
             # stopping the trace (and drawing the timeline) is not charged to this step
-            clock.exclude(profiler.after_step(step, (state, metrics), trainer.train_step))
+            clock.exclude(self.profiler.after_step(step, (self.state, metrics), trainer.train_step))
             if evaluate_now or saving or final:
-                finish(step, metrics, evaluate_now=evaluate_now)
+                self.finish(step, metrics, evaluate_now=evaluate_now)
             else:
                 pending = (step, metrics)
             checkpoints.check()  # a background save that failed stops the run now
             if stopping:
-                raise _stop(step, state, data, checkpoints, stops)
+                raise _stop(step, self.state, self.data, checkpoints, stops)
             if saving:
-                checkpoints.save(step, state, data)
+                checkpoints.save(step, self.state, self.data)
         gaps = clock.gap_summary()
         if gaps:
-            logger.info(gaps)
-    except BaseException:
-        profiler.close()
-        logger.close()
-        _close_data(data)
-        with contextlib.suppress(Exception):  # the error in flight is the one to report
-            checkpoints.close()  # waits for an async save still being written
-        raise
-    profiler.close()
-    logger.close()
-    _close_data(data)
-    checkpoints.close()  # waits for an async save still being written
-    return last
+            self.logger.info(gaps)
+
+    def finish(self, step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
+        """Reads step `step`'s metrics (blocking until it has finished), checks the loss,
+        prints MaxText's step line, evaluates if asked and writes a record when one is due."""
+        config = self.config
+        values = _scalars(metrics)
+        seconds = self.clock.step_seconds(step)
+        self.window.append(seconds)
+        if not math.isfinite(values["loss"]):
+            raise TrainingDivergedError(
+                f"loss is {values['loss']} at step {step}; aborting "
+                f"(try a lower learning_rate or a gradient_clipping_threshold); {self.on_disk()}"
+            )
+        self.logger.advance(step, values["loss"])
+        self.logger.step_line(
+            step,
+            seconds,
+            self.tflops_per_device / seconds,
+            config.tokens_per_step / seconds / config.num_devices,
+            values["tokens"],
+            values["loss"],
+        )
+        evaluated: dict[str, Any] = {}
+        if evaluate_now:
+            eval_loss, n = evaluate(
+                self.trainer, self.state["params"], self.data.eval_batches(), config.eval_steps
+            )
+            evaluated.update(eval_loss=eval_loss, eval_batches=n)
+            self.clock.restart()  # do not charge evaluation to the next step
+        if evaluate_now or step % config.log_period == 0 or step == config.steps:
+            self.record(step, values, evaluated)
+
+    def record(self, step: int, values: dict[str, float], evaluated: dict[str, Any]) -> None:
+        """Writes the metrics record of `step` (step time averaged since the last record)."""
+        config = self.config
+        step_time = sum(self.window) / len(self.window)
+        achieved = self.tflops_per_device / step_time
+        record = {
+            "step": step,
+            "loss": values["loss"],
+            "step_time_s": step_time,
+            "tokens_per_s_per_device": config.tokens_per_step / step_time / config.num_devices,
+            "tflops_per_s_per_device": achieved,
+            "mfu": flops.mfu(achieved, self.peak),
+            "grad_norm": values["grad_norm"],
+            "raw_grad_norm": values["raw_grad_norm"],
+            "learning_rate": values["learning_rate"],
+            "total_weights": values["tokens"],
+            "tokens": values["tokens"],
+            **evaluated,
+        }
+        if self.measured_peaks is not None:
+            record["peak_bytes_per_group"] = self.measured_peaks
+            self.measured_peaks = None
+        try:
+            self.logger.write(record)
+        except OSError as e:
+            raise StorageError(
+                f"writing metrics to {config.metrics_file} failed: {os_reason(e)}; {self.on_disk()}"
+            ) from e
+        self.window.clear()
+        self.last = record
+
+    def close(self, after_error: bool = False) -> None:
+        """Stops the profiler, the logger and the data workers, and waits for an async save
+        still being written (after an error, the error in flight is the one reported)."""
+        if self.profiler is not None:
+            self.profiler.close()
+        self.logger.close()
+        _close_data(self.data)
+        if after_error:
+            with contextlib.suppress(Exception):
+                self.checkpoints.close()
+        else:
+            self.checkpoints.close()
 
 
 def _stop(step: int, state: Any, data: Any, checkpoints: Checkpoints, stops: StopRequests):
