@@ -7,12 +7,17 @@ each name:
 - `data`   pure data parallelism: the batch is split, parameters are replicated;
 - `fsdp`   the batch is split and parameters / optimizer state are sharded along `embed` (ZeRO-3);
 - `tensor` heads, kv heads, mlp and vocab are split (Megatron-style tensor parallelism);
+- `expert` (MoE, `ici_expert_parallelism`) the experts of every MoE layer (`exp`) are split; the
+  batch is split over it too, so everything but the experts (attention, router, norms,
+  embeddings) is data-parallel over it. Token-slots travel to their experts' devices and back
+  by all-to-all inside the MoE block (`MaxText/model/moe.py`). Always inside a pipeline group;
 - `stage`  (pipelined meshes only) the MPMD axis: one group of devices per pipeline rank. It never
   appears in a rule; the engine places each stage's parameters on its group.
 
-SPMD runs use a ("data", "fsdp", "tensor") mesh; pipelined runs use
-("stage", "data", "fsdp", "tensor") wrapped in `jaxpp.MpmdMesh(mesh, "stage")`, and the same rules
-give the in/out PartitionSpecs within each group.
+SPMD runs use a ("data", "fsdp", "tensor", "expert") mesh; pipelined runs use
+("stage", "data", "fsdp", "tensor", "expert") wrapped in `jaxpp.MpmdMesh(mesh, "stage")`, and the
+same rules give the in/out PartitionSpecs within each group. The expert axis is innermost (the
+all-to-all's devices are neighbours, as MaxText orders it).
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText.config import Config
 
-SPMD_AXES = ("data", "fsdp", "tensor")
+SPMD_AXES = ("data", "fsdp", "tensor", "expert")
 PIPELINE_AXIS = "stage"
 PIPELINE_AXES = (PIPELINE_AXIS, *SPMD_AXES)
 
 # (logical name, mesh axes). Names not listed are replicated.
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     # activations
-    ("activation_batch", ("data", "fsdp")),
+    ("activation_batch", ("data", "fsdp", "expert")),
     ("activation_length", None),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
@@ -51,6 +56,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("position", None),
     ("layers", None),
+    ("exp", "expert"),
 )
 
 # Logical axes of the batch arrays fed to a step: [batch, length].
@@ -66,8 +72,14 @@ def mesh_device_array(config: Config, devices: Sequence[Any]) -> np.ndarray:
     processes as the outer granules, as MaxText does across slices): along each axis the dcn
     index is the outer one, so an axis with dcn 1 never leaves a process.
     """
-    ici = [config.ici_data_parallelism, config.ici_fsdp_parallelism, config.ici_tensor_parallelism]
+    ici = [
+        config.ici_data_parallelism,
+        config.ici_fsdp_parallelism,
+        config.ici_tensor_parallelism,
+        config.ici_expert_parallelism,
+    ]
     dcn = [config.dcn_data_parallelism, config.dcn_fsdp_parallelism, config.dcn_tensor_parallelism]
+    dcn.append(1)  # expert: inside a process
     if config.is_pipelined:
         ici.insert(0, config.ici_pipeline_parallelism)
         dcn.insert(0, config.dcn_pipeline_parallelism)
@@ -82,8 +94,8 @@ def mesh_device_array(config: Config, devices: Sequence[Any]) -> np.ndarray:
 def make_mesh(config: Config, devices: Sequence[jax.Device]) -> Mesh:
     """The device mesh for `config` over exactly `config.num_devices` devices.
 
-    Pipelined: ("stage", "data", "fsdp", "tensor"), stage outermost so each pipeline group is a
-    contiguous block of devices (on one process). Otherwise ("data", "fsdp", "tensor").
+    Pipelined: ("stage", "data", "fsdp", "tensor", "expert"), stage outermost so each pipeline
+    group is a contiguous block of devices (on one process). Otherwise without "stage".
     """
     assert len(devices) == config.num_devices, (len(devices), config.num_devices)
     names = PIPELINE_AXES if config.is_pipelined else SPMD_AXES

@@ -29,6 +29,8 @@ SHAPE_KEYS = (
     "mlp_dim",
     "vocab_size",
     "logits_via_embedding",
+    "num_experts",
+    "moe_mlp_dim",
 )
 # The model a checkpoint holds (shapes and numerics of the forward pass).
 MODEL_KEYS = (
@@ -40,6 +42,8 @@ MODEL_KEYS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_position_embeddings",
+    "num_experts_per_tok",
+    "norm_topk_prob",
 )
 # Taken too when the checkpoint names a tokenizer file (a converted Hugging Face checkpoint).
 TOKENIZER_KEYS = ("tokenizer_path", "tokenizer_type", "add_bos", "add_eos")

@@ -42,7 +42,7 @@ from MaxText.config.checkpoint_keys import checkpoint_values
 from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, NO_EFFECT, VALUE_ALIASES
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, fill_axes
 from MaxText.config.pipeline import REMAT_POLICIES, stage_layer_counts  # noqa: F401
-from MaxText.config.rules import axes_pending, derive, processes_pending
+from MaxText.config.rules import MOE_BLOCKS, axes_pending, derive, processes_pending
 from MaxText.config.unsupported_keys import UNSUPPORTED, UNSUPPORTED_VALUES
 from MaxText.errors import ConfigError  # re-exported: `from MaxText.config import ConfigError`
 
@@ -53,6 +53,8 @@ ALIASES = {"pipeline_parallelism": "ici_pipeline_parallelism", **MAXTEXT_ALIASES
 ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
 DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
 DTYPES = ("float32", "bfloat16", "float16")
+MOE_MATMULS = ("blocks", "ragged_dot")  # MaxText/model/moe.py
+DECODER_BLOCKS = ("llama", "gpt", *MOE_BLOCKS)
 
 
 def key(*, choices=None, ge=None, gt=None, le=None, lt=None, minus_one="", auto=False) -> Any:
@@ -80,6 +82,7 @@ class Config:
     ici_fsdp_parallelism: int = key(ge=1, minus_one="'the rest'")
     ici_tensor_parallelism: int = key(ge=1, minus_one="'the rest'")
     ici_pipeline_parallelism: int = key(ge=1, minus_one="'the rest'")
+    ici_expert_parallelism: int = key(ge=1, minus_one="'the rest'")
     pipeline_schedule: str = key(choices=(*SCHEDULE_NAMES, "auto"))
     num_pipeline_microbatches: int = key(ge=1, minus_one="automatic", auto=True)
     num_pipeline_repeats: int = key(ge=1, minus_one="derived")
@@ -98,7 +101,7 @@ class Config:
     global_batch_size: int = key(ge=0)
     max_target_length: int = key(ge=1)
     # model
-    decoder_block: str = key(choices=("llama", "gpt"))
+    decoder_block: str = key(choices=DECODER_BLOCKS)
     num_decoder_layers: int = key(ge=1)
     emb_dim: int = key(ge=1)
     num_query_heads: int = key(ge=1)
@@ -118,6 +121,13 @@ class Config:
     weight_dtype: str = key(choices=DTYPES)
     remat_policy: str = key(choices=(*REMAT_POLICIES, "auto"))
     scan_layers: bool = key()
+    # mixture of experts
+    num_experts: int = key(ge=1)
+    num_experts_per_tok: int = key(ge=1)
+    moe_mlp_dim: int = key(ge=1)
+    norm_topk_prob: bool = key()
+    load_balance_loss_weight: float = key(ge=0)
+    moe_matmul: str = key(choices=("auto", *MOE_MATMULS))
     # optimizer
     learning_rate: float = key(ge=0)
     warmup_steps_fraction: float = key(ge=0, le=1)
@@ -198,11 +208,12 @@ class Config:
     # ---- derived at load (not keys; never set them in YAML or on the command line). The device
     # counts and the pipeline layout stay 0 / () while `devices_pending`.
     num_devices: int = derived(0)  # data x fsdp x tensor x pipeline (ici x dcn)
-    data_parallel_devices: int = derived(0)  # data x fsdp: devices the batch is split over
+    data_parallel_devices: int = derived(0)  # data x fsdp x expert: devices the batch is split over
     mesh_data: int = derived(0)  # mesh axis sizes: ici_<axis>_parallelism x dcn_<axis>_...
     mesh_fsdp: int = derived(0)
     mesh_tensor: int = derived(0)
     mesh_pipeline: int = derived(0)  # pipeline groups
+    mesh_expert: int = derived(0)  # experts split over this many devices of each group
     num_stages: int = derived(0)  # pipeline stages = pipeline groups x repeats
     stage_layers: tuple[int, ...] = derived(())  # decoder layers in each stage
     microbatch_size: int = derived(0)  # global_batch_size / num_pipeline_microbatches
@@ -258,6 +269,11 @@ class Config:
     @property
     def is_pipelined(self) -> bool:
         return self.mesh_pipeline > 1
+
+    @property
+    def is_moe(self) -> bool:
+        """The feed-forward block of every layer is a mixture of experts."""
+        return self.num_experts > 1
 
     @property
     def uses_dcn(self) -> bool:

@@ -21,6 +21,7 @@ MAXTEXT_ALIASES = {
     "base_num_query_heads": "num_query_heads",
     "base_num_kv_heads": "num_kv_heads",
     "base_mlp_dim": "mlp_dim",
+    "base_moe_mlp_dim": "moe_mlp_dim",
     "base_num_decoder_layers": "num_decoder_layers",
 }
 # MaxText decoder_block values that are one of this trainer's blocks (MaxText's mistral block is
@@ -57,6 +58,7 @@ def apply_parameter_scale(v: dict[str, Any]) -> None:
     v["num_query_heads"] <<= heads
     v["num_kv_heads"] <<= heads
     v["mlp_dim"] <<= mlp
+    v["moe_mlp_dim"] <<= mlp
     v["num_decoder_layers"] <<= layers
 
 

@@ -14,7 +14,10 @@ from typing import Any
 from MaxText.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline")  # ici x dcn per axis -> Config.mesh_<axis>
-PARALLELISM_KEYS = tuple(f"ici_{axis}_parallelism" for axis in MESH_AXES)
+# Axes inside one process only (no dcn_ key): experts are dispatched with all-to-all, which
+# wants the fast links (dcn_expert_parallelism is a later issue).
+ICI_ONLY_AXES = ("expert",)
+PARALLELISM_KEYS = tuple(f"ici_{axis}_parallelism" for axis in (*MESH_AXES, *ICI_ONLY_AXES))
 DCN_KEYS = tuple(f"dcn_{axis}_parallelism" for axis in MESH_AXES)
 
 
@@ -61,7 +64,10 @@ def derive_mesh(v: dict[str, Any]) -> None:
         )
     for axis in MESH_AXES:
         v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"] * v[f"dcn_{axis}_parallelism"]
-    v["data_parallel_devices"] = v["mesh_data"] * v["mesh_fsdp"]
+    for axis in ICI_ONLY_AXES:
+        v[f"mesh_{axis}"] = v[f"ici_{axis}_parallelism"]
+    # the batch is split over data, fsdp and expert (experts are split over expert alone)
+    v["data_parallel_devices"] = v["mesh_data"] * v["mesh_fsdp"] * v["mesh_expert"]
     v["num_devices"] = v["data_parallel_devices"] * v["mesh_tensor"] * v["mesh_pipeline"]
     if v["mesh_pipeline"] > 1 and dcn > v["dcn_pipeline_parallelism"]:
         raise ConfigError(
@@ -69,7 +75,8 @@ def derive_mesh(v: dict[str, Any]) -> None:
             "parallelism must be 1; split the processes with dcn_pipeline_parallelism instead"
         )
     tp = v["mesh_tensor"]
-    for key in ("num_query_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+    moe_keys = ("moe_mlp_dim",) if v["num_experts"] > 1 else ()
+    for key in ("num_query_heads", "num_kv_heads", "mlp_dim", "vocab_size", *moe_keys):
         if v[key] % tp:
             raise ConfigError(
                 f"{key}={v[key]} is not divisible by tensor parallelism {tp}; "
@@ -79,4 +86,30 @@ def derive_mesh(v: dict[str, Any]) -> None:
         raise ConfigError(
             f"emb_dim={v['emb_dim']} is not divisible by fsdp parallelism {v['mesh_fsdp']}; "
             f"fsdp shards parameters along it"
+        )
+    _expert_axis(v)
+
+
+# exact integers of each 16-bit dtype: the dispatch sends each slot's expert as a number
+_EXACT_IDS = {"bfloat16": 256, "float16": 2048}
+
+
+def _expert_axis(v: dict[str, Any]) -> None:
+    ep, experts = v["mesh_expert"], v["num_experts"]
+    if ep > 1 and experts == 1:
+        raise ConfigError(
+            f"ici_expert_parallelism={ep} splits the experts of a mixture-of-experts model, but "
+            "num_experts=1 (a dense model); set num_experts > 1 or ici_expert_parallelism=1"
+        )
+    if experts % ep:
+        raise ConfigError(
+            f"num_experts={experts} is not divisible by ici_expert_parallelism={ep}; each "
+            f"device holds num_experts / {ep} experts: use {_divisors(experts)}"
+        )
+    limit = _EXACT_IDS.get(v["dtype"])
+    if ep > 1 and limit and experts // ep > limit:
+        raise ConfigError(
+            f"num_experts={experts} / ici_expert_parallelism={ep} = {experts // ep} experts per "
+            f"device exceeds {limit}, the largest expert id dtype={v['dtype']} carries exactly "
+            f"in the dispatch; raise ici_expert_parallelism to {-(-experts // limit)} or more"
         )

@@ -19,6 +19,8 @@ from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, derive_mesh, filled_
 from MaxText.config.pipeline import auto_defaults, derive_pipeline
 from MaxText.errors import ConfigError
 
+MOE_BLOCKS = ("mixtral",)  # decoder blocks whose feed-forward is a mixture of experts
+
 
 def processes_pending(v: Mapping[str, Any]) -> bool:
     """The launcher (srun, mpirun) tells the processes: `num_processes=-1`, or
@@ -36,6 +38,7 @@ def derive(v: dict[str, Any]) -> None:
     apply_parameter_scale(v)
     _processes(v)
     _model_shape(v)
+    _experts(v)
     _data(v)
     _attention(v)
     auto_defaults(v)
@@ -91,6 +94,26 @@ def _model_shape(v: dict[str, Any]) -> None:
     if v["rope_type"] == "llama3.1" and not low < high:
         raise ConfigError(
             f"rope_low_freq_factor={low} and rope_high_freq_factor={high}: need 0 < low < high"
+        )
+
+
+def _experts(v: dict[str, Any]) -> None:
+    """A MoE block has experts (num_experts >= 2) and only a MoE block has them."""
+    block, experts, k = v["decoder_block"], v["num_experts"], v["num_experts_per_tok"]
+    if block in MOE_BLOCKS and experts < 2:
+        raise ConfigError(
+            f"decoder_block={block} is a mixture of experts: set num_experts >= 2 (and "
+            f"num_experts_per_tok), e.g. num_experts=8 num_experts_per_tok=2 as Mixtral"
+        )
+    if block not in MOE_BLOCKS and experts > 1:
+        raise ConfigError(
+            f"num_experts={experts} needs a mixture-of-experts block: decoder_block="
+            f"{' or '.join(MOE_BLOCKS)} (decoder_block={block} has one dense MLP per layer)"
+        )
+    if k > experts:
+        raise ConfigError(
+            f"num_experts_per_tok={k} is more than num_experts={experts}; each token is routed "
+            f"to num_experts_per_tok of the experts"
         )
 
 

@@ -10,7 +10,13 @@ README's "Coming from MaxText" section lists the same keys and reasons.
 
 from __future__ import annotations
 
-_MOE = "there are no mixture-of-experts layers here"
+_MOE_DEEPSEEK = (
+    "DeepSeek-style routing (sigmoid scores, selection bias, shared experts, dense first layers) "
+    "is not implemented; routing is Mixtral's / Qwen3-MoE's softmax top-k"
+)
+_DROPLESS = (
+    "MoE layers are dropless: every token-slot reaches its expert (no capacity, no dropping)"
+)
 _CONTEXT = "sequence/context parallelism is not implemented (batch, fsdp, tensor, pipeline are)"
 _SPMD_PP = (
     "a knob of MaxText's SPMD (vmap-over-stages) pipeline; here pipelining is MPMD "
@@ -40,7 +46,6 @@ UNSUPPORTED: dict[str, str] = {
             ("context_autoregressive", _CONTEXT),
             ("tensor_transpose", "the tensor_transpose axis is not implemented; use tensor"),
             ("tensor_sequence", _CONTEXT),
-            ("expert", _MOE),
             (
                 "autoregressive",
                 "there is no serving engine here (MaxText.generate runs greedy/topk)",
@@ -48,6 +53,8 @@ UNSUPPORTED: dict[str, str] = {
             ("diloco", "DiLoCo training is not implemented"),
         )
     },
+    "dcn_expert_parallelism": "experts are split inside a process (ici_expert_parallelism); "
+    "the expert axis across processes is not implemented",
     "context_parallel_load_balance": _CONTEXT,
     "context_parallel_strategy": _CONTEXT,
     "num_slices": "processes are set with num_processes; dcn_*_parallelism spans them",
@@ -67,13 +74,19 @@ UNSUPPORTED: dict[str, str] = {
     "set_remat_policy_on_pipeline_iterations": _SPMD_PP,
     "set_remat_policy_on_layers_per_stage": _SPMD_PP,
     # model features
-    "num_experts": _MOE,
-    "num_experts_per_tok": _MOE,
-    "megablox": _MOE,
-    "sparse_matmul": _MOE,
-    "capacity_factor": _MOE,
-    "load_balance_loss_weight": _MOE,
-    "shared_experts": _MOE,
+    "megablox": "no Pallas megablox kernel; moe_matmul=ragged_dot runs jax.lax.ragged_dot (XLA's "
+    "grouped GEMM on GPU)",
+    "sparse_matmul": "experts always compute grouped (sorted token-slots); moe_matmul picks the "
+    "kernel (blocks | ragged_dot)",
+    "capacity_factor": _DROPLESS,
+    "shared_experts": _MOE_DEEPSEEK,
+    "routed_score_func": _MOE_DEEPSEEK,
+    "routed_bias": _MOE_DEEPSEEK,
+    "routed_bias_update_rate": _MOE_DEEPSEEK,
+    "routed_scaling_factor": _MOE_DEEPSEEK,
+    "first_num_dense_layers": _MOE_DEEPSEEK,
+    "n_routing_groups": _MOE_DEEPSEEK,
+    "topk_routing_group": _MOE_DEEPSEEK,
     "mlp_activations": "fixed by decoder_block: llama = SwiGLU (silu, linear), gpt = GELU",
     "attention_type": "global causal attention only (no sliding window, chunked or MLA)",
     "sliding_window_size": "global causal attention only (no sliding window)",
@@ -173,8 +186,8 @@ UNSUPPORTED: dict[str, str] = {
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
     "decoder_block": {
         **{
-            name: "mixture-of-experts blocks are not implemented"
-            for name in ("mixtral", "deepseek", "llama4", "qwen3_moe", "gpt_oss")
+            name: "this mixture-of-experts block is not implemented (mixtral and qwen3_moe are)"
+            for name in ("deepseek", "llama4", "gpt_oss")
         },
         **{
             name: "this block (its own norms and attention variants) is not implemented"
