@@ -5,16 +5,19 @@ One `MetricsLogger` per run. `step_line(...)` prints MaxText's parsable line aft
 total_weights: 2048, loss: 5.432`. `write(record)` takes one dict per logged step and
 
 - prints `step 10/600 | loss 5.4321 | 0.312 s/step | 6,563 tokens/s/device | 0.043 TFLOP/s/device
-  | MFU 10.3% (CPU estimate) | lr 3.00e-03 | grad_norm 0.830` (plus `eval_loss` when evaluated);
+  | MFU 10.3% (CPU estimate) | lr 3.00e-03 | grad_norm 0.830` (plus, for a mixture of experts,
+  `moe_lb_loss 2.0134 | tokens/expert max 40 mean 32`, and `eval_loss` when evaluated);
 - appends the record as one JSON object to `{base_output_directory}/{run_name}/metrics.jsonl`
   (keys: step, loss, step_time_s, tokens_per_s_per_device, tflops_per_s_per_device, mfu,
   grad_norm (after clipping), raw_grad_norm (before), learning_rate, total_weights (counted target
-  tokens; also under its old name `tokens`), and eval_loss / eval_batches when evaluated);
+  tokens; also under its old name `tokens`), for a mixture of experts moe_lb_loss,
+  moe_tokens_per_expert_max and _mean (token-slots per expert per layer in the step: max and mean
+  over experts, averaged over layers), and eval_loss / eval_batches when evaluated);
 - adds the scalars to TensorBoard event files under `.../tensorboard` (tensorboardX), named like
   MaxText's: learning/loss, learning/grad_norm, learning/raw_grad_norm, learning/total_weights,
   learning/current_learning_rate,
   perf/step_time_seconds, perf/per_device_tokens_per_sec, perf/per_device_tflops_per_sec, perf/mfu,
-  eval/avg_loss.
+  eval/avg_loss, learning/moe_lb_loss, learning/moe_tokens_per_expert_max / _mean.
 
 The progress bar (tqdm, on stderr) advances every step; console lines are written through it so
 they do not tear the bar. `setup_logging()` sends the MaxText loggers' INFO lines to the current
@@ -45,6 +48,9 @@ TENSORBOARD_NAMES = {
     "tflops_per_s_per_device": "perf/per_device_tflops_per_sec",
     "mfu": "perf/mfu",
     "eval_loss": "eval/avg_loss",
+    "moe_lb_loss": "learning/moe_lb_loss",
+    "moe_tokens_per_expert_max": "learning/moe_tokens_per_expert_max",
+    "moe_tokens_per_expert_mean": "learning/moe_tokens_per_expert_mean",
 }
 
 
@@ -70,6 +76,12 @@ def format_line(record: dict[str, Any], total_steps: int, mfu_estimate: bool) ->
         f"lr {record['learning_rate']:.2e}",
         f"grad_norm {record['grad_norm']:.3f}",
     ]
+    if "moe_lb_loss" in record:
+        parts.append(f"moe_lb_loss {record['moe_lb_loss']:.4f}")
+        parts.append(
+            f"tokens/expert max {record['moe_tokens_per_expert_max']:,.0f} "
+            f"mean {record['moe_tokens_per_expert_mean']:,.0f}"
+        )
     if "eval_loss" in record:
         parts.append(f"eval_loss {record['eval_loss']:.4f}")
     return " | ".join(parts)

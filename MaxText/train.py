@@ -48,7 +48,13 @@ from MaxText.model import count_params
 from MaxText.planning import flops
 from MaxText.profiling import Profiler
 from MaxText.step_clock import StepClock
-from MaxText.train_step import Trainer, build_trainer, evaluate, measured_train_step
+from MaxText.train_step import (
+    MOE_METRIC_KEYS,
+    Trainer,
+    build_trainer,
+    evaluate,
+    measured_train_step,
+)
 
 log = logging.getLogger("MaxText")
 
@@ -268,6 +274,7 @@ class _Loop:
             "learning_rate": values["learning_rate"],
             "total_weights": values["tokens"],
             "tokens": values["tokens"],
+            **{k: values[k] for k in MOE_METRIC_KEYS if k in values},
             **evaluated,
         }
         if self.measured_peaks is not None:

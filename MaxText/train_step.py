@@ -22,7 +22,9 @@ The step is a pure function `(state, batch) -> (state, metrics)`:
 Metrics (MaxText's names): `loss` (mean over counted tokens), `raw_grad_norm` (before clipping),
 `grad_norm` (after clipping: min(raw, gradient_clipping_threshold), the norm clip_by_global_norm
 leaves), `learning_rate` (the rate this step applied), `tokens` (counted target tokens, MaxText's
-`total_weights`).
+`total_weights`); a mixture-of-experts model adds `moe_lb_loss` and the token-slots per expert
+(`moe_metrics`), and its objective adds `load_balance_loss_weight` x the load-balancing loss,
+computed per microbatch and averaged over the microbatches (`microbatch_fn`).
 
 SPMD (one pipeline group): `jax.jit` with in/out shardings from the logical-axis rules.
 Pipelined: the same function under `jaxpp.mpmd_jit_with_loop` on `MpmdMesh(mesh, "stage")`, with the
@@ -49,7 +51,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxpp_integration as jaxpp
 from MaxText import sharding
 from MaxText.config import Config
-from MaxText.model import Decoder, canonical_init, cross_entropy_sums, init_params
+from MaxText.model import Decoder, canonical_init, cross_entropy_sums, init_params, moe_stats
+from MaxText.model.moe import load_balance_loss
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ BATCH_KEYS = ("inputs", "targets", "targets_mask")
 # Packed rows (dataset_type=grain, packing=true) add per-document segment ids and positions.
 PACKED_BATCH_KEYS = (*BATCH_KEYS, "inputs_segmentation", "inputs_position")
 METRIC_KEYS = ("loss", "grad_norm", "raw_grad_norm", "learning_rate", "tokens")
+MOE_METRIC_KEYS = ("moe_lb_loss", "moe_tokens_per_expert_max", "moe_tokens_per_expert_mean")
 
 
 def split_microbatches(x_BxL, num_microbatches: int):
@@ -73,21 +77,73 @@ def batch_keys(config: Config) -> tuple[str, ...]:
 
 
 def make_loss_fn(model: Decoder) -> Callable:
+    """(params, batch) -> (loss sum, token count), and for a MoE model also the routing
+    statistics [2, E] summed over its layers (`MaxText/model/moe.py`)."""
     packed = batch_keys(model.config) == PACKED_BATCH_KEYS
+    is_moe = model.config.is_moe
 
     def loss_fn(params, batch):
+        args = (batch["inputs"],)
         if packed:  # attention stays in each document; positions restart per document
-            logits_BxLxV = model.apply(
-                {"params": params},
-                batch["inputs"],
-                batch["inputs_position"],
-                batch["inputs_segmentation"],
-            )
+            args = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+        if is_moe:
+            logits_BxLxV, sown = model.apply({"params": params}, *args, mutable=["intermediates"])
         else:
-            logits_BxLxV = model.apply({"params": params}, batch["inputs"])
-        return cross_entropy_sums(logits_BxLxV, batch["targets"], batch["targets_mask"])
+            logits_BxLxV = model.apply({"params": params}, *args)
+        sums = cross_entropy_sums(logits_BxLxV, batch["targets"], batch["targets_mask"])
+        return (*sums, moe_stats(sown)) if is_moe else sums
 
     return loss_fn
+
+
+def microbatch_fn(config: Config, model: Decoder, params, batch) -> Callable:
+    """microbatch -> (loss sum, token count, gradients, MoE metrics or None): the gradient of
+    the microbatch's loss sum, plus for a MoE model `load_balance_loss_weight` x its
+    load-balancing loss / M scaled by the batch's token count (known before the loop), so that
+    the gradients summed over the M microbatches and divided by the token count are those of
+    loss + weight x (the mean over microbatches of each microbatch's load-balancing loss)."""
+    loss_fn = make_loss_fn(model)
+    if not config.is_moe:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def dense(mb):
+            (loss_sum, count), grads = grad_fn(params, mb)
+            return loss_sum, count, grads, None
+
+        return dense
+    m = config.num_pipeline_microbatches
+    count = jnp.maximum(jnp.sum(batch["targets_mask"].astype(jnp.float32)), 1.0)
+    scale = config.load_balance_loss_weight * count / m
+    routed = config.microbatch_size * config.max_target_length * config.num_decoder_layers
+
+    def objective(p, mb):
+        loss_sum, count, stats_2xX = loss_fn(p, mb)
+        lb = load_balance_loss(stats_2xX, routed)
+        return loss_sum + scale * lb, (loss_sum, count, {"lb": lb, "slots": stats_2xX[0]})
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def moe(mb):
+        (_, (loss_sum, count, aux)), grads = grad_fn(params, mb)
+        return loss_sum, count, grads, aux
+
+    return moe
+
+
+def moe_metrics(config: Config, aux) -> dict:
+    """`moe_lb_loss` (the load-balancing loss, the mean over microbatches, unweighted) and the
+    token-slots per expert per layer of the step (over its microbatches; averaged over layers):
+    their maximum and mean over experts (the mean is tokens x k / E)."""
+    slots_X = aux["slots"] / config.num_decoder_layers
+    return {
+        "moe_lb_loss": aux["lb"] / config.num_pipeline_microbatches,
+        "moe_tokens_per_expert_max": jnp.max(slots_X),
+        "moe_tokens_per_expert_mean": jnp.mean(slots_X),
+    }
+
+
+def metric_keys(config: Config) -> tuple[str, ...]:
+    return METRIC_KEYS + (MOE_METRIC_KEYS if config.is_moe else ())
 
 
 def make_train_step(
@@ -102,23 +158,19 @@ def make_train_step(
     `grad_specs` (the parameters' PartitionSpecs, pipelined only) lays the gradient accumulators
     out like the parameters: with `gradient_reduction=microbatch` each microbatch's gradients
     are reduce-scattered over fsdp and accumulated sharded (`treduce(out_specs=...)`)."""
-    grad_fn = jax.value_and_grad(make_loss_fn(model), has_aux=True)
     m = config.num_pipeline_microbatches
 
     def train_step(state, batch):
         params = state["params"]
         microbatches = {k: split_microbatches(batch[k], m) for k in batch_keys(config)}
+        microbatch_grads = microbatch_fn(config, model, params, batch)
 
-        def microbatch_grads(mb):
-            (loss_sum, count), grads = grad_fn(params, mb)
-            return loss_sum, count, grads
-
-        loss_sum, count, grads = jaxpp.treduce(
+        loss_sum, count, grads, aux = jaxpp.treduce(
             microbatch_grads,
             microbatches,
             schedule=schedule,
             operation=jaxpp.Add,
-            out_specs=None if grad_specs is None else (None, None, grad_specs),
+            out_specs=None if grad_specs is None else (None, None, grad_specs, None),
         )
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -137,6 +189,8 @@ def make_train_step(
             "learning_rate": jnp.asarray(lr_schedule(state["step"]), jnp.float32),
             "tokens": count,
         }
+        if aux is not None:
+            metrics.update(moe_metrics(config, aux))
         return new_state, metrics
 
     return train_step
@@ -148,6 +202,9 @@ def make_eval_step(model: Decoder, num_microbatches: int = 1, schedule: Any = No
     With a `schedule` the batch is split like the train step's and the forward pass runs as a
     pipelined `treduce` (no backward tasks), so every stage's weights stay on their group."""
     loss_fn = make_loss_fn(model)
+    if model.config.is_moe:
+        moe_loss_fn = loss_fn
+        loss_fn = lambda params, batch: moe_loss_fn(params, batch)[:2]  # noqa: E731
 
     def eval_step(params, batch):
         batch = {k: batch[k] for k in batch_keys(model.config)}
@@ -304,7 +361,7 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     jitted = jax.jit(
         step,
         in_shardings=(state_shardings, batch_shardings),
-        out_shardings=(state_shardings, {k: replicated for k in METRIC_KEYS}),
+        out_shardings=(state_shardings, {k: replicated for k in metric_keys(config)}),
         donate_argnums=(0,),
     )
     t0 = time.perf_counter()
@@ -362,7 +419,7 @@ def pipelined_train_step(
         ),
         mpmd_mesh=mpmd_mesh,
         in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}),
-        out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
+        out_specs=(specs, {k: PartitionSpec() for k in metric_keys(config)}),
         donate_argnums=(0,),
         gradient_reduction=reduction,
         pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,

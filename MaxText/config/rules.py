@@ -110,7 +110,7 @@ def _experts(v: dict[str, Any]) -> None:
             f"num_experts={experts} needs a mixture-of-experts block: decoder_block="
             f"{' or '.join(MOE_BLOCKS)} (decoder_block={block} has one dense MLP per layer)"
         )
-    if k > experts:
+    if experts > 1 and k > experts:
         raise ConfigError(
             f"num_experts_per_tok={k} is more than num_experts={experts}; each token is routed "
             f"to num_experts_per_tok of the experts"

@@ -11,7 +11,11 @@ The only pipeline knowledge here is where stages end: when `config.num_stages > 
 last (`config.stage_layers` says how many layers each stage has). So the embedding lands in the
 first stage and final norm, logits and the loss in the last. The markers sit between layers, at the
 top level of the model, never inside a rematerialised layer; outside pipelined tracing they are the
-identity. The hidden state between layers carries logical axis names (`activation_batch`, ...);
+identity. A mixture-of-experts model (`config.is_moe`) carries its routing statistics [2, E]
+(`MaxText/model/moe.py`) with the hidden state through the layers and the stage markers, and sows
+their sum over every layer as `intermediates/moe_stats` after the last layer (in the last stage):
+`apply(..., mutable=["intermediates"])` and `moe_stats(...)` read it.
+The hidden state between layers carries logical axis names (`activation_batch`, ...);
 they constrain sharding only when the trainer activates the rules (SPMD), no-ops otherwise.
 Layers are unrolled (`layers_0`, `layers_1`, ...) unless `scan_layers=true`: then each stage's
 layers run as one `nn.scan` over weights stacked with a leading layer axis, `layers` (no stages)
@@ -71,15 +75,22 @@ class Decoder(nn.Module):
             )
             x_BxLxE = x_BxLxE + jnp.take(position_PxE, positions_BxL, axis=0).astype(dtype)
         x_BxLxE = _constrain(x_BxLxE)
+        # MoE: routing statistics summed over the layers travel with the hidden state
+        stats_2xX = jnp.zeros((2, c.num_experts), jnp.float32) if c.is_moe else None
 
         stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
         if c.scan_layers:
             for stage, (name, first, count) in enumerate(scanned_blocks(c)):
-                x_BxLxE = _constrain(
-                    self._scan(name, stage, count, x_BxLxE, positions_BxL, segment_ids_BxL)
+                x_BxLxE, stats_Lx2xX = self._scan(
+                    name, stage, count, x_BxLxE, positions_BxL, segment_ids_BxL
                 )
+                if c.is_moe:
+                    stats_2xX = stats_2xX + jnp.sum(stats_Lx2xX, axis=0)
+                x_BxLxE = _constrain(x_BxLxE)
                 if first + count - 1 in stage_ends:
-                    x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
+                    x_BxLxE, stats_2xX = _uncarry(
+                        jaxpp.pipeline_enter_stage(_carry(x_BxLxE, stats_2xX)), stats_2xX
+                    )
         else:
             stage = 0
             new_cache = []
@@ -87,13 +98,22 @@ class Decoder(nn.Module):
                 layer_cls = layers.layer_class(c, stage=stage)
                 layer = layer_cls(c, name=f"layers_{i}")
                 if cache is not None:
-                    x_BxLxE, layer_cache = layer(x_BxLxE, positions_BxL, segment_ids_BxL, cache[i])
+                    out, layer_cache = layer(x_BxLxE, positions_BxL, segment_ids_BxL, cache[i])
+                    x_BxLxE = out[0] if c.is_moe else out
                     new_cache.append(layer_cache)
                     continue
-                x_BxLxE = _constrain(layer(x_BxLxE, positions_BxL, segment_ids_BxL))
+                out = layer(x_BxLxE, positions_BxL, segment_ids_BxL)
+                if c.is_moe:
+                    out, layer_stats = out
+                    stats_2xX = stats_2xX + layer_stats
+                x_BxLxE = _constrain(out)
                 if i in stage_ends:
-                    x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
+                    x_BxLxE, stats_2xX = _uncarry(
+                        jaxpp.pipeline_enter_stage(_carry(x_BxLxE, stats_2xX)), stats_2xX
+                    )
                     stage += 1
+        if c.is_moe and cache is None:
+            self.sow("intermediates", "moe_stats", stats_2xX)
 
         x_BxLxE = layers.norm_for(c, "decoder_norm")(x_BxLxE)
         if c.logits_via_embedding:
@@ -112,7 +132,8 @@ class Decoder(nn.Module):
 
     def _scan(self, name: str, stage: int, length: int, x_BxLxE, *per_token_args):
         """`length` layers of `stage` as one `nn.scan` over weights stacked under `name` (leading
-        axis = layer). `per_token_args` (positions, segment ids) are broadcast to every layer."""
+        axis = layer): (hidden state, a MoE model's routing statistics per layer [L, 2, E] or
+        None). `per_token_args` (positions, segment ids) are broadcast to every layer."""
         scanned = nn.scan(
             layers.layer_class(self.config, scanned=True, stage=stage),
             variable_axes={"params": 0},
@@ -121,8 +142,22 @@ class Decoder(nn.Module):
             length=length,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BxLxE, _ = scanned(self.config, name=name)(x_BxLxE, *per_token_args)
-        return x_BxLxE
+        return scanned(self.config, name=name)(x_BxLxE, *per_token_args)
+
+
+def _carry(x_BxLxE, stats_2xX):
+    """What passes between layers and stages: the hidden state, with a MoE model's statistics."""
+    return x_BxLxE if stats_2xX is None else (x_BxLxE, stats_2xX)
+
+
+def _uncarry(carry, stats_2xX):
+    return (carry, None) if stats_2xX is None else carry
+
+
+def moe_stats(intermediates) -> jax.Array:
+    """The routing statistics [2, E] a MoE model's apply sowed (`mutable=["intermediates"]`):
+    token-slots per expert and summed router probabilities, added over the layers."""
+    return intermediates["intermediates"]["moe_stats"][0]
 
 
 def init_cache(config: Config, batch: int, length: int) -> list[dict[str, jax.Array]]:

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
 from MaxText.model import attention
+from MaxText.model.moe import MoeBlock
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -75,7 +76,7 @@ class LayerNorm(nn.Module):
 
 
 def norm_for(config: Config, name: str) -> nn.Module:
-    cls = RMSNorm if config.decoder_block == "llama" else LayerNorm
+    cls = LayerNorm if config.decoder_block == "gpt" else RMSNorm
     return cls(
         epsilon=config.normalization_layer_epsilon,
         dtype=dtype_of(config.dtype),
@@ -158,7 +159,7 @@ class Attention(nn.Module):
         # No key bias: it adds q·b to every score of a query, which softmax ignores (zero gradient).
         k_BxLxKxD = project("key", k, "kv_heads", bias=False)
         v_BxLxKxD = project("value", k, "kv_heads")
-        if c.decoder_block == "llama":
+        if c.decoder_block != "gpt":
             inv_freq_F = rope_frequencies(c, d)
             q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, inv_freq_F)
             k_BxLxKxD = apply_rope(k_BxLxKxD, positions_BxL, inv_freq_F)
@@ -222,7 +223,9 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)).
-    With a KV `cache` (decoding, see `Attention`) it returns (output, updated cache)."""
+    With a KV `cache` (decoding, see `Attention`) it returns (output, updated cache).
+    A mixture-of-experts block (`config.is_moe`) has a `MoeBlock` as its feed-forward (`moe`)
+    and its output is (x, routing statistics [2, E])."""
 
     config: Config
 
@@ -235,16 +238,23 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             h, cache = h
         x_BxLxE = x_BxLxE + h
-        h = MLP(c, name="mlp")(norm_for(c, "pre_mlp_norm")(x_BxLxE))
-        return x_BxLxE + h if cache is None else (x_BxLxE + h, cache)
+        if c.is_moe:
+            h, stats_2xX = MoeBlock(c, name="moe")(norm_for(c, "pre_mlp_norm")(x_BxLxE))
+            out = (x_BxLxE + h, stats_2xX)
+        else:
+            out = x_BxLxE + MLP(c, name="mlp")(norm_for(c, "pre_mlp_norm")(x_BxLxE))
+        return out if cache is None else (out, cache)
 
 
 class ScannedDecoderLayer(DecoderLayer):
-    """`DecoderLayer` with the (carry, output) signature `nn.scan` expects."""
+    """`DecoderLayer` with the (carry, output) signature `nn.scan` expects: the hidden state is
+    the carry; a MoE layer's routing statistics are its per-layer output (stacked by the scan,
+    so every stage's scan body is the same program)."""
 
     @nn.compact
     def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None):
-        return super().__call__(x_BxLxE, positions_BxL, segment_ids_BxL), None
+        out = super().__call__(x_BxLxE, positions_BxL, segment_ids_BxL)
+        return out if self.config.is_moe else (out, None)
 
 
 REMAT_SAVED_NAMES = {

@@ -34,10 +34,11 @@ all-to-alls forward and 2 backward.
 The expert weights enter the `shard_map` broadcast over the non-expert batch axes (data, fsdp),
 so each device returns its own partial weight gradient [D, ...] and the sum over D is an
 ordinary `reduce_sum` outside: the pipeline engine defers it to once per step like any other
-gradient sum over data rows (`gradient_reduction`), and plain `jax.jit` all-reduces it. Router,
-softmax and top-k run outside the `shard_map` on rows (SPMD, no communication), the same for the
-load-balancing statistics. Without active rules (a single device, `jax.jit` reference) the same
-per-device code runs on all tokens, with no collectives.
+gradient sum over data rows (`gradient_reduction`), and plain `jax.jit` all-reduces it. The
+router's logits are computed outside on rows (an SPMD einsum with a replicated weight); softmax,
+top-k and the load-balancing statistics inside, per token (XLA's SPMD top-k would gather the
+rows), the statistics summed over the devices there (one all-reduce of 2 x E floats). Without active rules (a single
+device, the `jax.jit` reference) the same per-device code runs on all tokens, no collectives.
 
 **Load balancing** (Switch Transformer; Hugging Face's Mixtral `load_balancing_loss_func`):
 each MoE layer returns `stats` [2, E] float32: token-slots routed to expert i (row 0) and the sum
@@ -116,12 +117,20 @@ def _block_layout(group_sizes_G, rows: int, block: int):
     padded = (group_sizes_G + block - 1) // block * block
     padded_ends = jnp.cumsum(padded)
     row = jnp.arange(rows)
-    group = jnp.searchsorted(ends, row, side="right")
+    group = jnp.searchsorted(ends, row, side="right", method="compare_all")
     g = jnp.minimum(group, groups - 1)
     offset = row - (ends[g] - group_sizes_G[g])
     position = jnp.where(group < groups, padded_ends[g] - padded[g] + offset, n_blocks * block)
-    block_group = jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right")
+    starts = jnp.arange(n_blocks) * block
+    block_group = jnp.searchsorted(padded_ends, starts, side="right", method="compare_all")
     return position, jnp.minimum(block_group, groups - 1), padded_ends[-1] // block
+
+
+def resolve_matmul(name: str) -> str:
+    """`moe_matmul`: auto -> ragged_dot on GPU, blocks elsewhere."""
+    if name == "auto":
+        return "ragged_dot" if jax.default_backend() == "gpu" else "blocks"
+    return name
 
 
 def _swiglu(x, wg, wu, wd):
@@ -213,8 +222,12 @@ def expert_ffn(x_RxD, group_sizes_G, wg_GxDxF, wu_GxDxF, wd_GxFxD, matmul: str, 
 
 def _inverse(order_S):
     """The permutation undoing `order_S` (x[order][inverse] == x)."""
-    arange = jnp.arange(order_S.shape[0], dtype=order_S.dtype)
-    return jnp.zeros_like(order_S).at[order_S].set(arange)
+    return jnp.argsort(order_S)
+
+
+def _counts(ids, length: int):
+    """How many of `ids` equal 0, 1, ..., length - 1 (ids >= length are not counted)."""
+    return jnp.sum(ids[:, None] == jnp.arange(length, dtype=ids.dtype), axis=0, dtype=jnp.int32)
 
 
 def capacity(tokens: int, k: int, local_experts: int) -> int:
@@ -237,7 +250,7 @@ def experts_local(x_TxD, weights_TxK, ids_TxK, wg, wu, wd, *, matmul, expert_axi
     sorted_ids_S = slots_S[order_S]
     x_SxD = jnp.take(x_TxD, order_S // k, axis=0)
     if ep == 1:
-        sizes_G = jnp.bincount(slots_S, length=local)
+        sizes_G = _counts(slots_S, local)
         y_SxD = expert_ffn(x_SxD, sizes_G, wg, wu, wd, matmul)
     else:
         y_SxD = _dispatched(x_SxD, sorted_ids_S, wg, wu, wd, matmul, expert_axis, ep, tokens, k)
@@ -252,7 +265,8 @@ def _dispatched(x_SxD, sorted_ids_S, wg, wu, wd, matmul, axis, ep, tokens, k):
     local = wg.shape[0]
     cap = capacity(tokens, k, local)
     dest_S = sorted_ids_S // local
-    starts = jnp.cumsum(jnp.bincount(dest_S, length=ep)) - jnp.bincount(dest_S, length=ep)
+    per_dest = _counts(dest_S, ep)
+    starts = jnp.cumsum(per_dest) - per_dest
     pos_S = jnp.arange(slots) - starts[dest_S]
     expert_col = (sorted_ids_S % local).astype(x_SxD.dtype)[:, None]
     send = jnp.zeros((ep, cap, d + 1), x_SxD.dtype).at[:, :, d].set(local)  # pad: no expert
@@ -262,7 +276,7 @@ def _dispatched(x_SxD, sorted_ids_S, wg, wu, wd, matmul, axis, ep, tokens, k):
     rows = recv.reshape(ep * cap, d + 1)
     rid_R = rows[:, d].astype(jnp.int32)
     order_R = jnp.argsort(rid_R, stable=True)
-    y_R = expert_ffn(rows[order_R, :d], jnp.bincount(rid_R, length=local), wg, wu, wd, matmul)
+    y_R = expert_ffn(rows[order_R, :d], _counts(rid_R, local), wg, wu, wd, matmul)
     y_back = jnp.take(y_R, _inverse(order_R), axis=0).reshape(ep, cap, d)
     back = jax.lax.all_to_all(y_back, axis, split_axis=0, concat_axis=0, tiled=True)
     back = checkpoint_name(back, "moe_return")
@@ -320,28 +334,29 @@ def expert_split() -> ExpertSplit | None:
     return split
 
 
-def moe_ffn(x_BxLxD, weights_BxLxK, ids_BxLxK, wg, wu, wd, matmul: str):
-    """`experts_local` on every device's rows; the experts split over the expert axis and the
-    rows over the batch axes of the current mesh (a `shard_map`), or on all rows when nothing is
-    split. `wg`/`wu` [E, D, F], `wd` [E, F, D] in the compute dtype."""
-    b, length, d = x_BxLxD.shape
-    k = ids_BxLxK.shape[-1]
+def moe_ffn(x_BxLxD, logits_BxLxE, wg, wu, wd, *, k: int, normalize: bool, matmul: str):
+    """(output [B, L, D], routing statistics [2, E]) of the MoE block from its router logits:
+    `route` and `experts_local` on every device's rows, the experts split over the expert axis
+    and the rows over the batch axes of the current mesh (a `shard_map`), or on all rows when
+    nothing is split. `wg`/`wu` [E, D, F], `wd` [E, F, D] in the compute dtype."""
+    d = x_BxLxD.shape[-1]
     split = expert_split()
 
-    def local(x, w, ids, wg, wu, wd, axis=None, ep=1, tensor=None):
+    def local(x, logits, wg, wu, wd, axis=None, ep=1, tensor=None):
         rows = x.shape[0] * x.shape[1]
+        weights, ids, probs = route(logits.reshape(rows, -1), k, normalize)
+        stats = routing_stats(probs, ids)
         if tensor is not None:  # tokens meet width slices: their gradient is summed over them
             x = jax.lax.pcast(x, (tensor,), to="varying")
         out = experts_local(
-            x.reshape(rows, d), w.reshape(rows, k), ids.reshape(rows, k), wg, wu, wd,
-            matmul=matmul, expert_axis=axis, ep=ep,
-        )  # fmt: skip
+            x.reshape(rows, d), weights, ids, wg, wu, wd, matmul=matmul, expert_axis=axis, ep=ep
+        )
         if tensor is not None:  # each device holds a slice of every expert's width
             out = jax.lax.psum(out, tensor)
-        return out.reshape(x.shape)
+        return out.reshape(x.shape), stats
 
     if split is None:
-        return local(x_BxLxD, weights_BxLxK, ids_BxLxK, wg, wu, wd)
+        return local(x_BxLxD, logits_BxLxE, wg, wu, wd)
     replicas = split.replica_axes
     n = math.prod(split.sizes[a] for a in replicas)
     rows = PartitionSpec(split.batch)
@@ -351,16 +366,17 @@ def moe_ffn(x_BxLxD, weights_BxLxK, ids_BxLxK, wg, wu, wd, matmul: str):
     if replicas:  # one copy per replica: each returns its own partial weight gradient
         wg, wu, wd = (jnp.broadcast_to(w, (n, *w.shape)) for w in (wg, wu, wd))
 
-    def body(x, w, ids, wg, wu, wd):
+    def body(x, logits, wg, wu, wd):
         if replicas:
             wg, wu, wd = wg[0], wu[0], wd[0]
-        return local(x, w, ids, wg, wu, wd, split.expert, split.ep, split.tensor)
+        out, stats = local(x, logits, wg, wu, wd, split.expert, split.ep, split.tensor)
+        return out, jax.lax.psum(stats, split.batch)  # over every device's tokens
 
     return jax.shard_map(
         body,
-        in_specs=(rows, rows, rows, up_spec, up_spec, down_spec),
-        out_specs=rows,
-    )(x_BxLxD, weights_BxLxK, ids_BxLxK, wg, wu, wd)
+        in_specs=(rows, rows, up_spec, up_spec, down_spec),
+        out_specs=(rows, PartitionSpec()),
+    )(x_BxLxD, logits_BxLxE, wg, wu, wd)
 
 
 # ------------------------------------------------------------------ the flax block
@@ -403,10 +419,14 @@ class MoeBlock(nn.Module):
         logits_BxLxE = nn.with_logical_constraint(
             logits_BxLxE, ("activation_batch", "activation_length", None)
         )
-        normalize = c.norm_topk_prob or c.decoder_block == "mixtral"
-        weights, ids, probs = route(logits_BxLxE, k, normalize)
-        stats = routing_stats(probs, ids)
-        out = moe_ffn(
-            x, weights, ids, wg.astype(dtype), wu.astype(dtype), wd.astype(dtype), c.moe_matmul
+        out, stats = moe_ffn(
+            x,
+            logits_BxLxE,
+            wg.astype(dtype),
+            wu.astype(dtype),
+            wd.astype(dtype),
+            k=k,
+            normalize=c.norm_topk_prob or c.decoder_block == "mixtral",
+            matmul=resolve_matmul(c.moe_matmul),
         )
         return checkpoint_name(out, "mlpwo"), stats

@@ -13,6 +13,10 @@ split over the batch axes of a group (`data`, `fsdp`; `dcn_*` axes share those n
   is reduce-scattered into the shard right where it is made, every microbatch (an explicit
   `psum_scatter` in a `shard_map`, so it is a reduce-scatter on every backend), and the
   accumulator holds one shard per device — the HSDP pattern — unless full-size partials fit.
+  Only axes the gradient really is a sum over count: an expert weight sharded over `expert`
+  has a whole gradient on its device (its rows arrived by all-to-all inside the MoE block), so
+  over `expert` it is neither reduced nor scattered, while weights replicated over `expert`
+  (attention, router, norms, embeddings) are deferred over it like over `data`.
   They fit when the step's inputs (parameters, optimizer state, batch) plus the full-size
   partials, per device and averaged over the groups, take at most `AUTO_MEMORY_FRACTION` of the
   device memory (the rest is left to activations and temporaries). The memory is
@@ -135,6 +139,15 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
     ]
     choice = ReductionChoice(name, deferred_axes=row_axes)
     finish = {}
+    got = None
+    if name == "auto" and any(sharded):
+        # a weight sharded over an axis that splits rows is not always summed over it: an
+        # expert weight's gradient is whole on its device (the rows came to it by all-to-all)
+        got = defer_reductions(body, p["n_consts"], mb_rows, p["ops"], mesh_shape)
+        sharded = [
+            tuple(a for a in axes if a in (partial or ()))
+            for axes, partial in zip(sharded, got.partial_axes)
+        ]
     if name == "auto" and any(sharded):
         memory = mode.device_memory_bytes if isinstance(mode, AutoReduction) else None
         memory = memory or device_memory_bytes(mpmd_mesh)
@@ -150,7 +163,8 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
                 for j, axes in enumerate(sharded)
                 if axes
             }
-    got = defer_reductions(body, p["n_consts"], mb_rows, p["ops"], mesh_shape, finish)
+    if got is None or finish:
+        got = defer_reductions(body, p["n_consts"], mb_rows, p["ops"], mesh_shape, finish)
     if not any(got.partial_axes) and not finish:
         return ReductionPlan(body, None, None, dataclasses.replace(choice, deferred_axes=()))
     deferred, reduce_specs = [], []

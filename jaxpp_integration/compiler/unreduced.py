@@ -23,7 +23,10 @@ differentiation only evaluate) are inlined so gradients computed inside them can
 `scan` bodies (a scanned layer stack, forward and backward) are evaluated the same way inside a
 new `scan`: a per-layer weight gradient leaves the backward scan as a partial sum per trip, a
 gradient carried across trips is carried partial, so nothing deferred is reduced inside the
-loop (`_scan`). `while`/`cond` bodies are left alone (their outputs are reduced where made).
+loop (`_scan`). `while`/`cond` bodies are left alone (their outputs are reduced where made). A `shard_map`
+runs as is; its outputs' rows are read off its out_specs, so a sum outside it over a dimension
+its devices split (a MoE block's per-device weight-gradient partials, `MaxText/model/moe.py`)
+is deferred like any other.
 
 `finish` hooks let the caller transform an output right where it is made (`reduction_plan`:
 the per-microbatch reduce-scatter over fsdp of `gradient_reduction="auto"`). The same row
@@ -404,6 +407,8 @@ def _propagate(name, params, eqn, rows) -> list:
     """Row dimension of each output, given those of the inputs (None = unknown)."""
     in_avals = [v.aval for v in eqn.invars]
     out_avals = [v.aval for v in eqn.outvars]
+    if name == "shard_map":  # each output is split as its spec says (e.g. a MoE block's
+        return [_spec_row(spec) for spec in params["out_specs"]]  # per-device weight partials)
     k = next((i for i, r in enumerate(rows) if r is not None), None)
     if k is None:
         return [None] * len(out_avals)
@@ -443,6 +448,15 @@ def _propagate(name, params, eqn, rows) -> list:
         s = tuple(getattr(a, "shape", ()))
         out.append(r if len(s) == len(shape) and r.dim < len(s) and s[r.dim] == n else None)
     return out
+
+
+def _spec_row(spec) -> RowDim | None:
+    """The first dimension a PartitionSpec splits, as rows over its axes (as `seed_rows` reads
+    the step inputs' specs)."""
+    for d, entry in enumerate(tuple(spec)):
+        if entry:
+            return RowDim(d, tuple(entry) if isinstance(entry, tuple) else (entry,))
+    return None
 
 
 def _reshape_row(r: RowDim, src: tuple, dst: tuple):
