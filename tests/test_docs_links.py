@@ -107,3 +107,60 @@ def test_the_checker_finds_broken_links(tmp_path, monkeypatch):
         "#nope: no heading or <a id> 'nope' in a.md",
         "b.md: no file b.md",
     ]
+
+
+# ------------------------------------------------------------ named tests and committed results
+
+_REF = re.compile(
+    r"(?P<file>tests/[\w/*]+\.py)(?:::(?P<test>\w+))?"  # tests/x.py, tests/x.py::test_y
+    r"|(?<![\w/])::(?P<more>\w+)"  # ::test_z: another test of the file named last
+    r"|(?P<result>benchmarks/results/[\w/*.-]+\.(?:json|png))"
+)
+# Files a tool writes when run (not committed results): named as outputs, not as evidence.
+WRITTEN_WHEN_RUN = {"benchmarks/results/gpu_smoke.json"}  # benchmarks/gpu_smoke.py on a GPU node
+
+
+def _defined(path: Path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def missing_references(text: str, repo: Path = REPO) -> list[str]:
+    """Named tests (`tests/f.py::name`, or `::name` after a file) that do not exist, and
+    benchmark results that are not in the tree."""
+    problems, last = [], None
+    for m in _REF.finditer(text):
+        if m["result"]:
+            if m["result"] not in WRITTEN_WHEN_RUN and not list(repo.glob(m["result"])):
+                problems.append(f"no committed result {m['result']}")
+        elif m["file"]:
+            files = sorted(repo.glob(m["file"]))
+            last = files[0] if len(files) == 1 else None
+            if not files:
+                problems.append(f"no test file {m['file']}")
+            elif m["test"] and not any(m["test"] in _defined(f) for f in files):
+                problems.append(f"no test {m['file']}::{m['test']}")
+        elif last is None:
+            problems.append(f"::{m['more']} follows no single test file")
+        elif m["more"] not in _defined(last):
+            problems.append(f"no test {last.relative_to(repo)}::{m['more']}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_named_test_and_result_exists(page):
+    """A claim backed by a test or a result names one that exists (renamed tests break this)."""
+    assert missing_references(page.read_text()) == []
+
+
+def test_the_reference_check_finds_a_missing_test():
+    text = (
+        "`tests/test_docs_links.py::test_readme_is_short`, `::test_no_such_test`; "
+        "`benchmarks/results/host_gap.json`, `benchmarks/results/nothing.json`"
+    )
+    assert missing_references(text) == [
+        "no test tests/test_docs_links.py::test_no_such_test",
+        "no committed result benchmarks/results/nothing.json",
+    ]
