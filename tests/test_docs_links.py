@@ -3,6 +3,7 @@ GitHub's anchor rules) or an `<a id>` of the target page; README maps every page
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -120,6 +121,7 @@ _REF = re.compile(
 WRITTEN_WHEN_RUN = {"benchmarks/results/gpu_smoke.json"}  # benchmarks/gpu_smoke.py on a GPU node
 
 
+@functools.cache
 def _defined(path: Path) -> set[str]:
     import ast
 
