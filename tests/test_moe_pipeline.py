@@ -201,7 +201,7 @@ def test_expert_weights_live_on_their_expert_shard(trainers):
             for shard in array.addressable_shards:
                 coords = np.argwhere(group.devices == shard.device)[0]
                 j = coords[group.axis_names.index("expert")]
-                if "['moe']['wi_" in name or "['moe']['wo']" in name:
+                if "['mlp']['wi_" in name or "['mlp']['wo']" in name:
                     assert shard.data.shape[1] == per, name  # [layers, E / ep, ...]
                     assert shard.index[1] == slice(j * per, (j + 1) * per), (name, shard.index)
                     found += 1

@@ -44,6 +44,7 @@ MODEL_KEYS = (
     "rope_original_max_position_embeddings",
     "num_experts_per_tok",
     "norm_topk_prob",
+    "use_qk_norm",
 )
 # Taken too when the checkpoint names a tokenizer file (a converted Hugging Face checkpoint).
 TOKENIZER_KEYS = ("tokenizer_path", "tokenizer_type", "add_bos", "add_eos")

@@ -54,7 +54,8 @@ ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
 DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_MATMULS = ("blocks", "ragged_dot")  # MaxText/model/moe.py
-DECODER_BLOCKS = ("llama", "gpt", *MOE_BLOCKS)
+# The model families (MaxText/model/registry.py holds the same names: tests/test_families.py).
+DECODER_BLOCKS = ("llama", "qwen3", "gpt", *MOE_BLOCKS)
 
 
 def key(*, choices=None, ge=None, gt=None, le=None, lt=None, minus_one="", auto=False) -> Any:
@@ -110,6 +111,7 @@ class Config:
     mlp_dim: int = key(ge=1)
     vocab_size: int = key(ge=1)
     logits_via_embedding: bool = key()
+    use_qk_norm: bool = key()
     normalization_layer_epsilon: float = key()
     rope_max_timescale: float = key(gt=1)
     rope_type: str = key(choices=("default", "llama3.1"))

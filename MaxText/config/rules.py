@@ -19,7 +19,7 @@ from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, derive_mesh, filled_
 from MaxText.config.pipeline import auto_defaults, derive_pipeline
 from MaxText.errors import ConfigError
 
-MOE_BLOCKS = ("mixtral",)  # decoder blocks whose feed-forward is a mixture of experts
+MOE_BLOCKS = ("mixtral", "qwen3_moe")  # decoder blocks whose feed-forward is a mixture of experts
 
 
 def processes_pending(v: Mapping[str, Any]) -> bool:

@@ -3,7 +3,8 @@ expert parallelism (token-slots dispatched to their experts' devices with `all_t
 
 Routing (Mixtral's and Qwen3-MoE's): router logits `x W_gate` in float32 over all E experts,
 softmax over all E, the top k probabilities (`num_experts_per_tok`) and their experts;
-`normalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral always) divides the k weights by their sum.
+`normalize` (`norm_topk_prob`: Qwen3-MoE's flag; Mixtral always does) divides the k weights by
+their sum.
 Each of the T tokens makes k token-slots; slot (t, j) goes to expert `ids[t, j]` and the output
 is `sum_j weight[t, j] * expert_j(x_t)`, expert e a SwiGLU `(silu(x Wg_e) * (x Wu_e)) Wd_e`.
 
@@ -37,8 +38,9 @@ ordinary `reduce_sum` outside: the pipeline engine defers it to once per step li
 gradient sum over data rows (`gradient_reduction`), and plain `jax.jit` all-reduces it. The
 router's logits are computed outside on rows (an SPMD einsum with a replicated weight); softmax,
 top-k and the load-balancing statistics inside, per token (XLA's SPMD top-k would gather the
-rows), the statistics summed over the devices there (one all-reduce of 2 x E floats). Without active rules (a single
-device, the `jax.jit` reference) the same per-device code runs on all tokens, no collectives.
+rows), the statistics summed over the devices there (one all-reduce of 2 x E floats). Without
+active rules (a single device, the `jax.jit` reference) the same per-device code runs on all
+tokens, with no collectives.
 
 **Load balancing** (Switch Transformer; Hugging Face's Mixtral `load_balancing_loss_func`):
 each MoE layer returns `stats` [2, E] float32: token-slots routed to expert i (row 0) and the sum
@@ -392,10 +394,11 @@ def _expert_init():
 class MoeBlock(nn.Module):
     """`(x_BxLxD) -> (y_BxLxD, stats_2xE)`: router `gate` [D, E] and experts `wi_0` (gate) and
     `wi_1` (up) [E, D, F], `wo` (down) [E, F, D] (MaxText's names and logical axes). Config:
-    `num_experts`, `num_experts_per_tok`, `moe_mlp_dim`, `norm_topk_prob` (always for mixtral),
+    `num_experts`, `num_experts_per_tok`, `moe_mlp_dim`, `norm_topk_prob`,
     `moe_matmul`, `dtype`, `weight_dtype`."""
 
     config: object
+    input_kernels = 2  # gate and up kernels before the activation (the planner's FLOPs count)
 
     @nn.compact
     def __call__(self, x_BxLxD):
@@ -426,7 +429,7 @@ class MoeBlock(nn.Module):
             wu.astype(dtype),
             wd.astype(dtype),
             k=k,
-            normalize=c.norm_topk_prob or c.decoder_block == "mixtral",
+            normalize=c.norm_topk_prob,
             matmul=resolve_matmul(c.moe_matmul),
         )
         return checkpoint_name(out, "mlpwo"), stats
