@@ -148,9 +148,9 @@ ERRORS = {
         "global_batch_size=4 is not divisible by num_pipeline_microbatches=3",
     ),
     "maxtext key not supported": (
-        ["ici_expert_parallelism=2"],
-        "not supported here: ici_expert_parallelism (command line): there are no "
-        "mixture-of-experts layers here",
+        ["capacity_factor=1.25"],
+        "not supported here: capacity_factor (command line): MoE layers are dropless: every "
+        "token-slot reaches its expert (no capacity, no dropping)",
     ),
 }
 
@@ -391,9 +391,9 @@ def test_train_py_exits_2_with_one_line(case, tmp_path):
         ),
         ("dcn_expert_parallelism=2", "not supported here: dcn_expert_parallelism"),
         (
-            "decoder_block=mixtral",
-            "not supported here: decoder_block=mixtral: "
-            "mixture-of-experts blocks are not implemented",
+            "decoder_block=deepseek",
+            "not supported here: decoder_block=deepseek: "
+            "this mixture-of-experts block is not implemented (mixtral and qwen3_moe are)",
         ),
     ],
 )

@@ -131,7 +131,7 @@ def test_hybrid_mesh_puts_dcn_axes_across_processes():
     spmd = mesh_device_array(
         load(*multi, "dcn_data_parallelism=2", "ici_fsdp_parallelism=4"), devices
     )
-    assert spmd.shape == (2, 4, 1)  # (data, fsdp, tensor): data = the process
+    assert spmd.shape == (2, 4, 1, 1)  # (data, fsdp, tensor, expert): data = the process
     assert [[d.process_index for d in row.flat] for row in spmd] == [[0] * 4, [1] * 4]
     pipelined = mesh_device_array(
         load(
@@ -142,7 +142,7 @@ def test_hybrid_mesh_puts_dcn_axes_across_processes():
         ),
         devices,
     )
-    assert pipelined.shape == (4, 1, 2, 1)  # (stage, data, fsdp, tensor)
+    assert pipelined.shape == (4, 1, 2, 1, 1)  # (stage, data, fsdp, tensor, expert)
     # every pipeline group on one process; groups 0-1 on process 0, 2-3 on process 1
     assert [{d.process_index for d in group.flat} for group in pipelined] == [{0}, {0}, {1}, {1}]
 
