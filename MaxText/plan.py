@@ -92,13 +92,13 @@ def _fraction(text: str) -> float:
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m MaxText.plan", add_help=True)
+    parser = exit_codes.ArgumentParser(prog="python -m MaxText.plan")
     parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"])
     parser.add_argument("--json", dest="json_path", default=None)
     for flag in ("memory-gb", "peak-tflops", "hbm-gbps", "link-gbps"):
         parser.add_argument(f"--{flag}", type=_positive, default=None)
     parser.add_argument("--efficiency", type=_fraction, default=None)
-    return parser.parse_known_args(argv)  # a bad flag: one usage line, exit 2
+    return parser.parse_known_args(argv)  # a bad flag: one `usage error:` line, exit 2
 
 
 def main(argv=None) -> int:
