@@ -7,7 +7,8 @@ a refusal is one `config error:` line on stderr, exit 2, and no process starts),
 `python train.py ARGS coordinator_address=127.0.0.1:PORT num_processes=N process_id=i` for each i,
 prefixes every output line with `[pI]`, and, when one process fails, stops the others and exits
 with that process's code. Usage errors are one line on stderr, exit 2. On a cluster, run `train.py`
-once per host yourself with the same three keys instead (see README, "Running on several hosts").
+once per host yourself with the same three keys instead (see docs/cluster.md, "Running on several
+hosts").
 
 Signals: each trainer runs in its own session, so a Ctrl-C at the terminal reaches the launcher
 only, and the launcher forwards SIGINT and SIGTERM to every trainer exactly once per signal it

@@ -344,8 +344,8 @@ def test_first_training_step_loss_equals_reference(models, tmp_path, layout):
 
 
 def readme_commands() -> str:
-    """The bash block of the README section "Fine-tune a Llama checkpoint", as written."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The bash block of docs/fine_tuning.md, section "Fine-tune a Llama checkpoint", as written."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "fine_tuning.md").read_text()
     section = text.split("## Fine-tune a Llama checkpoint", 1)[1]
     return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
