@@ -172,6 +172,7 @@ class Config:
     # Hugging Face checkpoints
     hf_model_path: str = key()
     hf_output_path: str = key()
+    hf_overwrite: bool = key()
     hf_output_dtype: str = key(choices=("", "bfloat16", "float32", "float16"))
     hf_max_shard_mb: float = key(gt=0)
     # attention kernel and profiler (MaxText's keys)
