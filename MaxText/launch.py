@@ -157,9 +157,6 @@ def _supervise(procs: list[subprocess.Popen], received: list[int], timeout: floa
     return code
 
 
-USAGE = "python -m MaxText.launch --num_processes N [--timeout S] -- CONFIG.yml [key=value ...]"
-
-
 def check_config(train_args: list[str], port: int, num_processes: int) -> int:
     """The trainers' config, checked once here before any process starts: every rule that does
     not depend on the host's devices (`load_config` starts no backend), with the keys the
@@ -171,14 +168,29 @@ def check_config(train_args: list[str], port: int, num_processes: int) -> int:
     return exit_codes.OK
 
 
+def _parser() -> exit_codes.ArgumentParser:
+    from MaxText.config import tool_help
+
+    parser = exit_codes.ArgumentParser(
+        prog="python -m MaxText.launch",
+        usage=tool_help.usage("MaxText.launch"),
+        description=tool_help.TOOLS["MaxText.launch"].about,
+    )
+    parser.add_argument(
+        "--num_processes", type=int, required=True, help="trainer processes to start (>= 1)"
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before stopping all")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = exit_codes.ArgumentParser(prog="python -m MaxText.launch", usage=USAGE)
-    parser.add_argument("--num_processes", type=int, required=True)
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before stopping all")
+    from MaxText.config import tool_help
+
+    parser = _parser()
+    if (words := tool_help.requested(argv)) is not None:  # --help before `--`: its own options
+        return tool_help.show("MaxText.launch", words, parser.format_help())
     if "--" not in argv:
-        if {"-h", "--help"} & set(argv):
-            parser.parse_args(["--help"])
         parser.error("no `--` before the trainer's arguments")
     split = argv.index("--")
     opts = parser.parse_args(argv[:split])
