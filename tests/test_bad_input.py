@@ -10,8 +10,10 @@ starting the devices or a process) fail loudly.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -258,3 +260,27 @@ def test_launch_checks_the_config_once_before_starting_processes(capsys, no_proc
             "; see python -m MaxText.launch --help"
         ), line
     assert capsys.readouterr().out == ""
+
+
+# --------------------------------------------------------------- 9. a config.json that is wrong
+
+
+def test_an_inconsistent_or_malformed_config_json_is_one_line(ckpt, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(ckpt["hf"], hf)
+    raw = json.loads((hf / "config.json").read_text())
+    argv = [BASE, f"hf_model_path={hf}", f"base_output_directory={tmp_path / 'o'}"]
+    (hf / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
+    assert to_maxtext(argv) == 2
+    assert _one_line(capsys) == (
+        f"config error: {hf / 'config.json'}: model_type='gpt2' does not match "
+        f"architectures=['LlamaForCausalLM'] (model_type 'llama'); the file is inconsistent: fix "
+        f"model_type or architectures"
+    )
+    (hf / "config.json").write_text(json.dumps([raw]))
+    assert to_maxtext(argv) == 2
+    assert _one_line(capsys) == (
+        f"config error: {hf / 'config.json'} holds a JSON list, not an object of fields; is it a "
+        f"Hugging Face config.json?"
+    )
+    assert not (tmp_path / "o").exists()

@@ -11,10 +11,13 @@ cannot mount one). Nothing here compiles a training step.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fs_faults import tmpfs
 from hf_reference import llama_config, random_tensors, write_hf_folder
@@ -22,6 +25,9 @@ from hf_reference import llama_config, random_tensors, write_hf_folder
 from MaxText import generate
 from MaxText.checkpoint import integrity
 from MaxText.config import CONFIGS_DIR
+from MaxText.convert.output import check_hf_output, recorded_sources
+from MaxText.errors import PathError
+from MaxText.to_huggingface import main as to_huggingface
 from MaxText.to_maxtext import main as to_maxtext
 
 BASE = str(CONFIGS_DIR / "base.yml")
@@ -81,10 +87,17 @@ def test_a_converted_checkpoint_records_checksums_and_damage_is_one_line(model, 
     data = sorted(str(p.relative_to(step)) for p in (step / "items" / "d").iterdir())
 
     def damaged(how) -> tuple[Path, str]:
+        """A damaged copy; generate (train's reader) and to_huggingface each refuse it in the
+        same one line, the export writing nothing."""
         copy = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
         shutil.copytree(model["ckpt"], copy)
         name = how(copy / "0")
         assert _generate_from(copy) == 2
+        line = _one_line(capsys)
+        out = tmp_path / "export"
+        assert to_huggingface([BASE, f"load_parameters_path={copy}", f"hf_output_path={out}"]) == 2
+        assert _one_line(capsys) == line and not out.exists()
+        print(line, file=sys.stderr)  # for the caller's check
         return copy / "0", name
 
     def truncate(step_dir):
@@ -143,3 +156,146 @@ def test_a_full_disk_during_to_maxtext_is_one_line_and_leaves_nothing(model, tmp
         assert to_maxtext(argv) == 0
         assert len(snapshot(out / "0")) == len(snapshot(model["ckpt"] / "0"))
         assert integrity.verify_checksums(out / "0")
+
+
+def test_a_full_disk_during_to_huggingface_is_one_line_and_keeps_the_old_export(
+    model, tmp_path, capsys
+):
+    with tmpfs(tmp_path / "disk", 1) as disk:
+        old = disk / "export"
+        argv = [BASE, f"load_parameters_path={model['ckpt']}"]
+        assert to_huggingface([*argv, f"hf_output_path={old}"]) == 0
+        capsys.readouterr()
+        before = snapshot(old)
+        fill(disk, leave_kb=64)  # the export writes ~150 KB
+        for out, extra in ((old, ["hf_overwrite=true"]), (disk / "new" / "export", [])):
+            assert to_huggingface([*argv, f"hf_output_path={out}", *extra]) == 1
+            line = _one_line(capsys)
+            assert line.startswith(
+                f"I/O error: writing {out} failed: No space left on device (ENOSPC) at "
+                f"{out / '.exporting' / 'model.safetensors.tmp'}; the partial output was removed"
+            ), line
+        assert snapshot(old) == before  # the earlier export is untouched
+        assert sorted(p.name for p in disk.iterdir()) == ["export", "filler"]
+
+
+# -------------------------------------------------------- 1. never over a model, never the source
+
+
+def test_to_huggingface_never_overwrites_a_model(model, tmp_path, capsys):
+    argv = [BASE, f"load_parameters_path={model['ckpt']}"]
+    out = tmp_path / "export"
+    assert to_huggingface([*argv, f"hf_output_path={out}", "hf_max_shard_mb=0.05"]) == 0
+    capsys.readouterr()
+    (out / "README.md").write_text("the user's notes\n")
+    first = snapshot(out)
+    assert "model.safetensors.index.json" in first and len(first) == 10  # 6 shards
+    assert to_huggingface([*argv, f"hf_output_path={out}"]) == 2
+    assert _one_line(capsys) == (
+        f"path error: hf_output_path={out} already holds a model (config.json, "
+        f"generation_config.json, model-00001-of-00006.safetensors, "
+        f"model-00002-of-00006.safetensors and 5 more); export into a new or empty folder, or set "
+        f"hf_overwrite=true to replace it"
+    )
+    assert snapshot(out) == first
+    # any one file of a model is a model
+    for name in ("config.json", "pytorch_model-00001-of-00002.bin", "tokenizer.json"):
+        other = tmp_path / name.split(".")[0]
+        other.mkdir()
+        (other / name).write_text("{}")
+        assert to_huggingface([*argv, f"hf_output_path={other}"]) == 2
+        assert f"already holds a model ({name})" in _one_line(capsys)
+        assert [p.name for p in other.iterdir()] == [name]
+    # hf_overwrite=true replaces it: the old shards and index go, the user's README stays
+    assert to_huggingface([*argv, f"hf_output_path={out}", "hf_overwrite=true"]) == 0
+    assert sorted(snapshot(out)) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert (out / "README.md").read_text() == "the user's notes\n"
+
+
+def test_to_huggingface_into_the_source_folder_is_refused_and_leaves_it_unchanged(
+    model, tmp_path, capsys
+):
+    """The issue's case: a bfloat16 export over the float32 folder the checkpoint came from,
+    even with hf_overwrite=true, through a symbolic link to it, and from a run that started from
+    the converted checkpoint."""
+    hf = model["hf"]
+    before = snapshot(hf)
+    link = tmp_path / "link"
+    link.symlink_to(hf)
+    run = tmp_path / "runs" / "ft" / "checkpoints" / "7" / "config"  # a run's saved config
+    run.mkdir(parents=True)
+    (run / "metadata").write_text(json.dumps({"load_parameters_path": str(model["ckpt"])}))
+    assert recorded_sources(str(tmp_path / "runs" / "ft")) == [hf]
+    for source, target in ((model["ckpt"], hf), (model["ckpt"], link), (model["ckpt"], hf)):
+        argv = [BASE, f"load_parameters_path={source}", f"hf_output_path={target}"]
+        assert to_huggingface([*argv, "hf_overwrite=true", "hf_output_dtype=bfloat16"]) == 2
+        assert _one_line(capsys) == (
+            f"path error: hf_output_path={target} is the folder the checkpoint was converted "
+            f"from; export into another folder (hf_overwrite=true never replaces a checkpoint's "
+            f"source)"
+        )
+    check_hf_output(tmp_path / "elsewhere", overwrite=False, sources=[hf])  # not refused
+    with pytest.raises(PathError, match="is the folder the checkpoint was converted from"):
+        check_hf_output(hf, overwrite=True, sources=recorded_sources(str(run.parent.parent.parent)))
+    assert snapshot(hf) == before  # byte for byte
+
+
+# ----------------------------------------------------- 4. NaN / Inf weights, refused as they stream
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(model, tmp_path, capsys):
+    cfg = llama_config(num_hidden_layers=1)
+    tensors = random_tensors(cfg, seed=0)
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name][0, :3] = [np.nan, np.nan, np.inf]
+    bad = write_hf_folder(tmp_path / "bad", cfg, tensors)
+    out = tmp_path / "out"
+    assert to_maxtext([BASE, f"hf_model_path={bad}", f"base_output_directory={out}"]) == 2
+    assert _one_line(capsys) == (
+        f"config error: hf_model_path={bad}: tensor {name} has 2 NaN and 1 infinite values (of "
+        f"{tensors[name].size}); the checkpoint is damaged or comes from a diverged run, so "
+        f"nothing was written"
+    )
+    assert not out.exists()
+    # export: a finite checkpoint whose cast to float16 overflows (65504 is float16's largest)
+    tensors = random_tensors(cfg, seed=0)
+    tensors["model.norm.weight"][5] = 1e5
+    big = write_hf_folder(tmp_path / "big", cfg, tensors)
+    ckpt = tmp_path / "big_ckpt"
+    assert to_maxtext([BASE, f"hf_model_path={big}", f"base_output_directory={ckpt}"]) == 0
+    capsys.readouterr()
+    argv = [BASE, f"load_parameters_path={ckpt}", f"hf_output_path={out}"]
+    assert to_huggingface([*argv, "hf_output_dtype=float16"]) == 2
+    assert _one_line(capsys) == (
+        f"config error: checkpoint {ckpt / '0' / 'items'}: tensor model.norm.weight overflows "
+        f"float16 (1 values become infinite; the largest is 1e+05); choose a wider dtype "
+        f"(bfloat16 or float32)"
+    )
+    assert not out.exists()
+
+
+# ---------------------------------------------------------- 5. every check before the first byte
+
+
+def test_refusals_come_before_the_output_folder_is_made(model, tmp_path, capsys):
+    out = tmp_path / "out"
+    export = [BASE, f"load_parameters_path={model['ckpt']}", f"hf_output_path={out}"]
+    missing = tmp_path / "tokenizer.json"
+    assert to_huggingface([*export, f"tokenizer_path={missing}"]) == 2
+    assert _one_line(capsys).startswith(f"config error: tokenizer_path={missing} does not exist")
+    assert to_huggingface([*export, "hf_output_dtype=float64"]) == 2
+    assert _one_line(capsys).startswith("config error: hf_output_dtype=float64 is not one of")
+    cfg = llama_config(num_hidden_layers=1)
+    tensors = random_tensors(cfg, seed=0)
+    del tensors["model.norm.weight"]
+    partial = write_hf_folder(tmp_path / "partial", cfg, tensors)
+    assert to_maxtext([BASE, f"hf_model_path={partial}", f"base_output_directory={out}"]) == 2
+    assert _one_line(capsys) == (
+        f"config error: hf_model_path={partial}: tensor model.norm.weight is missing"
+    )
+    assert not out.exists()
