@@ -227,22 +227,25 @@ def test_to_huggingface_into_the_source_folder_is_refused_and_leaves_it_unchange
     before = snapshot(hf)
     link = tmp_path / "link"
     link.symlink_to(hf)
-    run = tmp_path / "runs" / "ft" / "checkpoints" / "7" / "config"  # a run's saved config
-    run.mkdir(parents=True)
-    (run / "metadata").write_text(json.dumps({"load_parameters_path": str(model["ckpt"])}))
-    assert recorded_sources(str(tmp_path / "runs" / "ft")) == [hf]
-    for source, target in ((model["ckpt"], hf), (model["ckpt"], link), (model["ckpt"], hf)):
-        argv = [BASE, f"load_parameters_path={source}", f"hf_output_path={target}"]
+    for target in (hf, link):
+        argv = [BASE, f"load_parameters_path={model['ckpt']}", f"hf_output_path={target}"]
         assert to_huggingface([*argv, "hf_overwrite=true", "hf_output_dtype=bfloat16"]) == 2
         assert _one_line(capsys) == (
             f"path error: hf_output_path={target} is the folder the checkpoint was converted "
             f"from; export into another folder (hf_overwrite=true never replaces a checkpoint's "
             f"source)"
         )
-    check_hf_output(tmp_path / "elsewhere", overwrite=False, sources=[hf])  # not refused
-    with pytest.raises(PathError, match="is the folder the checkpoint was converted from"):
-        check_hf_output(hf, overwrite=True, sources=recorded_sources(str(run.parent.parent.parent)))
     assert snapshot(hf) == before  # byte for byte
+    # a run that started from the converted checkpoint has the same source (its saved config)
+    run = tmp_path / "runs" / "ft"
+    (run / "checkpoints" / "7" / "config").mkdir(parents=True)
+    saved = {"load_parameters_path": str(model["ckpt"])}
+    (run / "checkpoints" / "7" / "config" / "metadata").write_text(json.dumps(saved))
+    assert recorded_sources(str(run)) == [hf]
+    with pytest.raises(PathError, match="is the folder the checkpoint was converted from"):
+        check_hf_output(hf, overwrite=True, sources=recorded_sources(str(run)))
+    check_hf_output(tmp_path / "elsewhere", overwrite=False, sources=[hf])  # not refused
+    assert not (tmp_path / "elsewhere").exists()  # checked, not made
 
 
 # ----------------------------------------------------- 4. NaN / Inf weights, refused as they stream
