@@ -133,6 +133,27 @@ def test_a_converted_checkpoint_records_checksums_and_damage_is_one_line(model, 
     )
 
 
+def test_to_huggingface_checks_a_runs_checkpoint_against_its_checksums(model, tmp_path, capsys):
+    """A step of a run (its `state` item; here the converted arrays under that name, with the
+    checksums recorded as a training save does), one data file truncated."""
+    step = tmp_path / "run" / "checkpoints" / "3"
+    shutil.copytree(model["ckpt"] / "0", step)
+    (step / "items").rename(step / "state")
+    (step / integrity.CHECKSUMS).unlink()
+    integrity.record_checksums(step)
+    name = sorted(str(p.relative_to(step)) for p in (step / "state" / "d").iterdir())[0]
+    os.truncate(step / name, 10)
+    out = tmp_path / "export"
+    assert to_huggingface([BASE, f"load_parameters_path={step}", f"hf_output_path={out}"]) == 2
+    assert _one_line(capsys) == (
+        f"checkpoint error: checkpoint {step} is damaged: {name} has 10 bytes, "
+        f"{(model['ckpt'] / '0' / name.replace('state', 'items', 1)).stat().st_size} when written "
+        f"(checksums.json); export another step of the run (load_parameters_path="
+        f"{step.parent}/<step>)"
+    )
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- 3. a full disk during a write
 
 
@@ -302,3 +323,19 @@ def test_refusals_come_before_the_output_folder_is_made(model, tmp_path, capsys)
         f"config error: hf_model_path={partial}: tensor model.norm.weight is missing"
     )
     assert not out.exists()
+    # what a killed conversion or export left behind is named, not reused or removed
+    (out / "0.converting").mkdir(parents=True)
+    convert = [BASE, f"hf_model_path={model['hf']}", f"base_output_directory={out}"]
+    assert to_maxtext(convert) == 2
+    assert _one_line(capsys) == (
+        f"path error: base_output_directory={out}: {out / '0.converting'} is left from a "
+        f"conversion that was stopped (or is running); remove it, or choose another "
+        f"base_output_directory"
+    )
+    (out / ".exporting").mkdir()
+    assert to_huggingface(export) == 2
+    assert _one_line(capsys) == (
+        f"path error: hf_output_path={out} holds {out / '.exporting'}, left by an export that "
+        f"was stopped (or is running); remove it and export again"
+    )
+    assert sorted(p.name for p in out.iterdir()) == [".exporting", "0.converting"]
