@@ -43,7 +43,7 @@ from MaxText.checkpoint import manager as checkpointing
 from MaxText.cluster import devices, xla_flags
 from MaxText.config import ALIASES, Config, ConfigError, load_config
 from MaxText.config.checkpoint_keys import MODEL_KEYS, require_tokenizer
-from MaxText.model import Decoder, init_cache
+from MaxText.model import Decoder, family_of, init_cache
 
 log = logging.getLogger("MaxText")
 
@@ -244,7 +244,7 @@ def encode_prompt(config: Config, tokenizer: Any, prompt: str) -> list[int]:
             f"{config.max_prefill_predict_length}; shorten it or raise max_prefill_predict_length"
         )
     length = config.max_predict_length
-    if config.decoder_block == "gpt" and length > config.max_target_length:
+    if not family_of(config).rope and length > config.max_target_length:
         raise ConfigError(
             f"max_predict_length={length} exceeds the {config.max_target_length} learned positions "
             f"of decoder_block=gpt; use max_predict_length <= {config.max_target_length}"

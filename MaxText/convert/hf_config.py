@@ -178,6 +178,7 @@ def _fresh(config: Any) -> dict[str, Any]:
     if c.rope_type == "llama3.1":
         max_positions = int(c.rope_original_max_position_embeddings * c.rope_scaling_factor)
     out = {"architectures": [fmt.architecture], "model_type": fmt.model_type}
+    out.update(fmt.template)
     out.update(owned_fields(c))
     out.update({
         "max_position_embeddings": max(max_positions, c.max_target_length),

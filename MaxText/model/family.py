@@ -14,9 +14,10 @@ reads and writes, `tensors` (one `TensorRow` per parameter: its path in our cano
 Hugging Face name, and the layout change between the two, by name: see
 `MaxText/convert/layout.py`), `fields` (model keys copied to and from config.json fields),
 `fixed` (model keys the format implies: set on import, required on export), `accepted`
-(config.json fields that must hold one of the listed values, with the reason otherwise), and two
-small functions for the fields that are not one-to-one (`read`: config.json -> keys, `write`:
-config -> config.json fields).
+(config.json fields that must hold one of the listed values, with the reason otherwise),
+`template` (constant fields of a freshly written config.json), and two small functions for the
+fields that are not one-to-one (`read`: config.json -> keys, `write`: config -> config.json
+fields).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class HfFormat:
     # config.json field -> (the values this format converts, why others are refused); an absent
     # field reads as None.
     accepted: Mapping[str, tuple[tuple[Any, ...], str]] = dataclasses.field(default_factory=dict)
+    template: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # (config.json dict, where) -> further model keys; may raise ConfigError
     read: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
     # config -> further config.json fields (the ones `read` takes)

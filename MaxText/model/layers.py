@@ -41,8 +41,13 @@ class DecoderLayer(nn.Module):
     def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None):
         c = self.config
         family = family_of(c)
-        attention = Attention(c, biases=family.fixed_biases, rope=family.rope,
-                              name="self_attention")  # fmt: skip
+        attention = Attention(
+            c,
+            biases=family.fixed_biases,
+            rope=family.rope,
+            norm_scale_offset=family.norm_scale_offset,
+            name="self_attention",
+        )
         h = attention(norm_for(c, "pre_attention_norm")(x_BxLxE), positions_BxL,
                       segment_ids_BxL, cache)  # fmt: skip
         if cache is not None:

@@ -37,6 +37,7 @@ FAMILY = Family(
         architecture="LlamaForCausalLM",
         model_type="llama",
         tensors=LLAMA_TENSORS,
+        fixed={"use_qk_norm": False},
         accepted={
             "attention_bias": ((False, None), "LlamaForCausalLM with projection biases (q, k, "
                                "v and o) is not a model here; Qwen 2's q/k/v biases are "
@@ -45,6 +46,6 @@ FAMILY = Family(
             "hidden_act": (("silu", None), "Llama's MLP is SwiGLU (silu)"),
             "sliding_window": ((None, 0), "Llama attends globally; a sliding window is Mistral"),
         },
-        write=lambda config: {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+        template={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
     ),
 )  # fmt: skip

@@ -37,6 +37,7 @@ class GatedMLP(nn.Module):
 
     config: Config
     activations: tuple[str, str] = ("silu", "linear")
+    input_kernels = 2  # [E, M] kernels before the activation (the planner's FLOPs count)
 
     @nn.compact
     def __call__(self, x_BxLxE):
@@ -59,6 +60,7 @@ class BiasGeluMLP(nn.Module):
     """gpt: gelu(x W_in + b_in) W_out + b_out (tanh-approximated GELU)."""
 
     config: Config
+    input_kernels = 1
 
     @nn.compact
     def __call__(self, x_BxLxE):

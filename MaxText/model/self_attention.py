@@ -2,8 +2,9 @@
 one attention kernel (`MaxText/model/attention.py`), the output projection; and its KV cache.
 
 What varies between families is data given to the block (`Family`, `MaxText/model/family.py`):
-which projections carry a bias, whether RoPE applies. Shape suffixes: B batch, L length,
-E embed, H query heads, K kv heads, D head dim, T cache slots.
+which projections carry a bias, whether RoPE applies, the norm's `(1 + w)` offset; and keys:
+`use_qk_norm` (an RMSNorm over each head's D dimensions of q and of k, before RoPE: Qwen 3).
+Shape suffixes: B batch, L length, E embed, H query heads, K kv heads, D head dim, T cache slots.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
 from MaxText.model import attention
+from MaxText.model.norms import RMSNorm
 from MaxText.model.params import dtype_of, fan_in_init, param
 from MaxText.model.rope import apply_rope, rope_frequencies
 
@@ -34,6 +36,7 @@ class Attention(nn.Module):
     config: Config
     biases: frozenset[str] = frozenset()
     rope: bool = True
+    norm_scale_offset: float = 0.0  # of the q/k norms (Gemma's (1 + w))
 
     @nn.compact
     def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None):
@@ -45,6 +48,9 @@ class Attention(nn.Module):
         q_BxLxHxD = self._project(x, "query", h, "heads")
         k_BxLxKxD = self._project(x, "key", k, "kv_heads")
         v_BxLxKxD = self._project(x, "value", k, "kv_heads")
+        if c.use_qk_norm:  # per head, over D (Qwen 3's q_norm / k_norm)
+            q_BxLxHxD = self._head_norm("query_norm")(q_BxLxHxD)
+            k_BxLxKxD = self._head_norm("key_norm")(k_BxLxKxD)
         if self.rope:
             inv_freq_F = rope_frequencies(c, c.head_dim)
             q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, inv_freq_F)
@@ -65,6 +71,16 @@ class Attention(nn.Module):
         ctx_BxLxHxD = checkpoint_name(ctx_BxLxHxD, "context")
         out_BxLxE = self._out(ctx_BxLxHxD)
         return out_BxLxE if cache is None else (out_BxLxE, cache)
+
+    def _head_norm(self, name: str) -> RMSNorm:
+        c = self.config
+        return RMSNorm(
+            epsilon=c.normalization_layer_epsilon,
+            dtype=dtype_of(c.dtype),
+            weight_dtype=dtype_of(c.weight_dtype),
+            scale_offset=self.norm_scale_offset,
+            name=name,
+        )
 
     def _project(self, x_BxLxE, name: str, heads: int, heads_axis: str):
         """`x @ {name}_kernel [E, heads, D]` (+ `{name}_bias [heads, D]` if it has one)."""
