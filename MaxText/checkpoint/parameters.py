@@ -100,7 +100,7 @@ def verify(location: Location) -> None:
     its checksums, or, written before they were recorded, every stored chunk); damage is one
     `CheckpointError` line naming the file and saying to convert again."""
     source = None
-    with contextlib.suppress(CheckpointError):  # a damaged config is named by the check below
+    with contextlib.suppress(CheckpointError, OSError):  # named by the check below
         source = (read_config(location) or {}).get("converted_from")
     again = "convert it again into a new folder"
     if source:
@@ -269,18 +269,24 @@ def write(root: str | os.PathLike, step: int, params: Any, config: dict[str, Any
     """
     root = Path(root).absolute()
     check_new_step(root, step)
-    made = make_dirs(root)
     staging = root / f"{step}{STAGING}"
+    made: list[Path] = []
+    mine = False  # whether `staging` is this call's (a concurrent writer's is never removed)
     try:
+        made = make_dirs(root)
         staging.mkdir()
+        mine = True
         with _quiet_orbax(writing=True):
             _save(staging, step, params, config)
         record_checksums(staging / str(step))
         os.rename(staging / str(step), root / str(step))
         staging.rmdir()
     except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
+        if mine:
+            shutil.rmtree(staging, ignore_errors=True)
         remove_made(made)
+        if isinstance(e, FileExistsError) and not mine:
+            check_new_step(root, step)  # another conversion started meanwhile: named
         if isinstance(e, Exception) and not isinstance(e, UserError) and classify(e) is not None:
             raise StorageError(
                 f"writing {root / str(step)} failed: {describe_failure(e, staging)}; the partial "

@@ -90,15 +90,20 @@ def creatable_dir(path: str | os.PathLike, key: str) -> Path:
 
 def make_dirs(path: Path) -> list[Path]:
     """Creates folder `path` and its missing parents; returns the folders made (outermost
-    first), for `remove_made` to take back after a failure."""
+    first), for `remove_made` to take back after a failure. If making one fails, those made
+    before it are removed and the OSError propagates."""
     missing = []
     while not path.exists():
         missing.append(path)
         path = path.parent
-    made = []
-    for folder in reversed(missing):
-        folder.mkdir()
-        made.append(folder)
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+    except OSError:
+        remove_made(made)
+        raise
     return made
 
 

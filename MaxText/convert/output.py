@@ -121,10 +121,13 @@ def _replace(out: Path, staging: Path) -> None:
 @contextlib.contextmanager
 def staged_folder(out: Path, *, replace: bool) -> Iterator[Path]:
     """The folder to write the export into (see the module docstring)."""
-    made = make_dirs(out)
     staging = out / STAGING
+    made: list[Path] = []
+    mine = False  # whether `staging` is this export's (a concurrent one's is never removed)
     try:
+        made = make_dirs(out)
         staging.mkdir()
+        mine = True
         yield staging
         if not replace and held_files(out):  # written by someone else meanwhile: kept
             raise PathError(
@@ -133,8 +136,14 @@ def staged_folder(out: Path, *, replace: bool) -> Iterator[Path]:
             )
         _replace(out, staging)
     except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
+        if mine:
+            shutil.rmtree(staging, ignore_errors=True)
         remove_made(made)
+        if isinstance(e, FileExistsError) and not mine:
+            raise PathError(
+                f"hf_output_path={out}: {staging} appeared while starting the export (another "
+                f"export into this folder is running); nothing was written"
+            ) from None
         if isinstance(e, Exception) and not isinstance(e, UserError) and classify(e) is not None:
             kept = "" if made else "; the folder's earlier files are unchanged"
             raise StorageError(
