@@ -31,6 +31,13 @@ def test_the_registry_and_the_config_name_the_same_families():
             assert set(family.hf.fixed) <= set(MODEL_KEYS)
 
 
+def token(value) -> str:
+    """A key's value as the command line writes it."""
+    if isinstance(value, tuple):
+        return f"[{', '.join(value)}]"
+    return str(value).lower()
+
+
 SMALL = ["num_decoder_layers=3", "emb_dim=32", "num_query_heads=4", "num_kv_heads=2",
          "head_dim=16", "mlp_dim=48", "vocab_size=64"]  # fmt: skip
 
@@ -40,7 +47,7 @@ SMALL = ["num_decoder_layers=3", "emb_dim=32", "num_query_heads=4", "num_kv_head
 def test_every_parameter_has_exactly_one_row(family, tied):
     """`tensors_for` fails on a parameter without a row; here also: names are unique, each
     layer's tensors are named with its index, and the tied head has no tensor."""
-    fixed = [f"{k}={str(v).lower()}" for k, v in FAMILIES[family].hf.fixed.items()]
+    fixed = [f"{k}={token(v)}" for k, v in FAMILIES[family].hf.fixed.items()]
     config = load_config([BASE, f"decoder_block={family}", *SMALL, *fixed,
                           f"logits_via_embedding={str(tied).lower()}"])  # fmt: skip
     tensors = tensors_for(config)

@@ -35,9 +35,12 @@ BASE = str(CONFIGS_DIR / "base.yml")
 TOL = 1e-5
 LENGTH = 24
 TOKENS = np.random.default_rng(7).integers(0, 64, (2, LENGTH))
-# family -> (config.json overrides, the reference step the family's feature is, seed)
+# family -> (config.json overrides, the reference steps that are the family's features, seed)
 FAMILIES = {
-    "qwen3": ({}, "qk_norm", 31),
+    "mistral": ({}, ("window", "window+1"), 11),
+    "qwen2": ({}, ("bias",), 21),
+    "qwen3": ({}, ("qk_norm",), 31),
+    "gemma2": ({}, ("softcap", "norm_offset", "window", "window+1"), 41),
 }
 
 
@@ -78,9 +81,9 @@ def test_logits_equal_float64_reference_in_every_layout(converted, family):
     cfg, tensors, items = converted(family)
     want = reference_logits(cfg, tensors, TOKENS)
     assert np.abs(want).max() > 1.0  # logits large enough for the tolerance to mean something
-    feature = FAMILIES[family][1]
-    without = reference_logits(cfg, tensors, TOKENS, skip=(feature,))
-    assert np.abs(without - want).max() > 100 * TOL, f"{feature} does not matter here"
+    for feature in FAMILIES[family][1]:
+        without = reference_logits(cfg, tensors, TOKENS, skip=(feature,))
+        assert np.abs(without - want).max() > 100 * TOL, f"{feature} does not matter here"
     for keys in (
         ["scan_layers=true"],
         ["scan_layers=false"],
