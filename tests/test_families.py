@@ -67,3 +67,21 @@ def test_preset_equals_its_published_config(preset):
     assert config.decoder_block == keys["decoder_block"]
     differ = {k: (getattr(config, k), v) for k, v in keys.items() if getattr(config, k) != v}
     assert differ == {}
+
+
+def test_planner_flops_count_local_layers_for_their_window():
+    """Gemma 2, 3 layers, S = 16, W = 4: layers 0 and 2 attend S·W − W²/2 = 56 (query, key)
+    pairs per row, layer 1 S²/2 = 128, so attention = 3 (fwd + bwd) · 4·T·H·D · 240 / S; the
+    same model without a window counts 3 · 128. The gated MLP counts two input kernels."""
+    from MaxText.planning import flops
+
+    keys = ["decoder_block=gemma2", *SMALL, "max_target_length=16", "global_batch_size=2",
+            "mlp_activations=[gelu, linear]"]  # fmt: skip
+    t, h, d, s = 2 * 16, 4, 16, 16
+    local = flops.training_flops_per_step(load_config([BASE, *keys, "sliding_window_size=4"]))
+    assert local.attention == 3 * 4 * t * h * d * (56 + 128 + 56) / s
+    plain = flops.training_flops_per_step(load_config([BASE, *keys]))
+    assert plain.attention == 3 * 4 * t * h * d * (3 * 128) / s
+    ffn = 2 * t * 32 * 48 * 2 + 2 * t * 48 * 32  # gate and up in, down out
+    qkv, out, unembed = 2 * t * 32 * (4 + 4) * 16, 2 * t * 64 * 32, 2 * t * 32 * 64
+    assert local.weights == 3 * ((ffn + qkv + out) * 3 + unembed)

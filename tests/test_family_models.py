@@ -155,3 +155,33 @@ def test_converted_checkpoint_alone_brings_every_model_key_back(converted, famil
     for key, value in from_json.items():
         assert getattr(config, key) == value, key
     assert config.decoder_block == family
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_greedy_generation_past_the_window_equals_reference(converted, family):
+    """Prompt of 4, 16 generated tokens with the KV cache (window 5: positions 5..19 drop their
+    oldest keys): the reference's greedy ids, every top-2 margin >= 1e-3 (no near-tie decides
+    the comparison); the reference without its window picks other ids, so the cache's window
+    mask is what makes them equal."""
+    from MaxText.generate import sample_tokens
+
+    cfg, tensors, items = converted(family)
+    keys = ["max_prefill_predict_length=8", "max_predict_length=20", "scan_layers=false"]
+    config = load_config([BASE, f"load_parameters_path={items}", *keys])
+    params, _ = manager.load_params(items, abstract_params(config), config)
+    prompt = [5, 17, 33, 2]
+    cached = sample_tokens(config, params, prompt, vocab_limit=64)
+
+    def greedy(skip=()):
+        ids, margins = list(prompt), []
+        while len(ids) < 20:
+            logits = reference_logits(cfg, tensors, np.asarray([ids]), skip=skip)[0, -1]
+            top2 = np.sort(logits)[-2:]
+            margins.append(top2[1] - top2[0])
+            ids.append(int(np.argmax(logits)))
+        return ids[len(prompt) :], min(margins)
+
+    want, margin = greedy()
+    assert margin >= 1e-3, margin
+    assert cached == want
+    assert greedy(skip=("window",))[0] != want
