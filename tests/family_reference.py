@@ -122,9 +122,10 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+def random_tensors(cfg: dict, seed: int, embed_std: float = 0.25) -> dict[str, np.ndarray]:
     """float32 weights scaled so the logits are O(1) (Hugging Face's init, std 0.02, gives logits
-    ~1e-2, where a 1e-5 tolerance would prove little). Gemma's norms store w of (1 + w)."""
+    ~1e-2, where a 1e-5 tolerance would prove little). Gemma's norms store w of (1 + w).
+    A small `embed_std` (untied head) makes the first norm's eps matter."""
     rng = np.random.default_rng(seed)
     offset = 0.0 if family_of(cfg) in GEMMA else 1.0
     out = {}
@@ -134,7 +135,7 @@ def random_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         elif name.endswith(".bias"):
             x = 0.5 * rng.standard_normal(shape)
         elif name == "model.embed_tokens.weight":  # also the head when tied: logits ~ +-5
-            x = 0.25 * rng.standard_normal(shape)
+            x = embed_std * rng.standard_normal(shape)
         else:  # [out, in]: unit-variance outputs
             x = rng.standard_normal(shape) / math.sqrt(shape[1])
         out[name] = x.astype(np.float32)
@@ -197,7 +198,7 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
     offset = 1.0 if gemma and "norm_offset" not in skip else 0.0
     b, length = tokens.shape
     h, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
-    eps = cfg["rms_norm_eps"]
+    eps = cfg["rms_norm_eps"] if "eps" not in skip else 1e-5  # base.yml's, if unmapped
     inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d)
     angles = np.arange(length)[:, None] * inv_freq[None, :]  # [L, D/2]
     cos = np.cos(np.concatenate([angles, angles], -1))[None, :, None, :]
