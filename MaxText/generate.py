@@ -98,6 +98,8 @@ _IGNORED = {*ONE_DEVICE, "pipeline_parallelism"}
 def _token(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return f"{key}={'true' if value else 'false'}"
+    if isinstance(value, list | tuple):  # a list key: YAML's flow sequence
+        return f"{key}=[{', '.join(str(x) for x in value)}]"
     return f"{key}={value}"
 
 

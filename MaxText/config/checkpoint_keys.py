@@ -47,6 +47,14 @@ MODEL_KEYS = (
     "rope_high_freq_factor",
     "rope_original_max_position_embeddings",
     "use_qk_norm",
+    "attention_bias",
+    "mlp_activations",
+    "sliding_window_size",
+    "attn_logits_soft_cap",
+    "final_logits_soft_cap",
+    "query_pre_attn_scalar",
+    "use_post_attn_norm",
+    "use_post_ffw_norm",
 )
 # Taken too when the checkpoint names a tokenizer file (a converted Hugging Face checkpoint).
 TOKENIZER_KEYS = ("tokenizer_path", "tokenizer_type", "add_bos", "add_eos")

@@ -56,7 +56,7 @@ ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
 DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
 DTYPES = ("float32", "bfloat16", "float16")
 # The model families (MaxText/model/registry.py holds the same names: tests/test_families.py).
-DECODER_BLOCKS = ("llama", "qwen3", "gpt")
+DECODER_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt")
 
 
 def key(*, choices=None, ge=None, gt=None, le=None, lt=None, minus_one="", auto=False) -> Any:
@@ -112,6 +112,14 @@ class Config:
     vocab_size: int = key(ge=1)
     logits_via_embedding: bool = key()
     use_qk_norm: bool = key()
+    attention_bias: bool = key()
+    mlp_activations: tuple[str, ...] = key()  # each one of MLP_ACTIVATIONS (rules.py)
+    sliding_window_size: int = key(ge=0)
+    attn_logits_soft_cap: float = key(ge=0)
+    final_logits_soft_cap: float = key(ge=0)
+    query_pre_attn_scalar: float = key(ge=0)
+    use_post_attn_norm: bool = key()
+    use_post_ffw_norm: bool = key()
     normalization_layer_epsilon: float = key()
     rope_max_timescale: float = key(gt=1)
     rope_type: str = key(choices=("default", "llama3.1"))
@@ -335,7 +343,14 @@ def derived_fields() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------- one key at a time
 
-_KIND = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+STRINGS = tuple[str, ...]  # a list key (YAML `[a, b]`, or `a,b` on the command line)
+_KIND = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    STRINGS: "a list of strings",
+}
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -356,6 +371,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return number
     if kind in (int, bool) and type(value) is kind:  # True is not an integer here
         return value
+    if kind == STRINGS and isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if (
+        kind == STRINGS
+        and isinstance(value, list | tuple)
+        and all(isinstance(x, str) for x in value)
+    ):
+        return tuple(value)
     raise ConfigError(f"{name}={value!r} ({source}): expected {_KIND[kind]}")
 
 
