@@ -77,7 +77,7 @@ UNSUPPORTED: dict[str, str] = {
     "megablox": "no Pallas megablox kernel; moe_matmul=ragged_dot runs jax.lax.ragged_dot (XLA's "
     "grouped GEMM on GPU)",
     "sparse_matmul": "experts always compute grouped (sorted token-slots); moe_matmul picks the "
-    "kernel (blocks | ragged_dot)",
+    "kernel (blocks or ragged_dot)",
     "capacity_factor": _DROPLESS,
     "shared_experts": _MOE_DEEPSEEK,
     "routed_score_func": _MOE_DEEPSEEK,
@@ -87,11 +87,9 @@ UNSUPPORTED: dict[str, str] = {
     "first_num_dense_layers": _MOE_DEEPSEEK,
     "n_routing_groups": _MOE_DEEPSEEK,
     "topk_routing_group": _MOE_DEEPSEEK,
-    "mlp_activations": "fixed by decoder_block: llama = SwiGLU (silu, linear), gpt = GELU",
-    "attention_type": "global causal attention only (no sliding window, chunked or MLA)",
-    "sliding_window_size": "global causal attention only (no sliding window)",
-    "attn_logits_soft_cap": "logit soft-capping is not implemented",
-    "final_logits_soft_cap": "logit soft-capping is not implemented",
+    "attention_type": "set by the family: decoder_block=mistral and gemma2 attend locally "
+    "within sliding_window_size (Gemma 2: its even layers); chunked and MLA attention are not "
+    "implemented",
     "rope_min_timescale": "RoPE frequencies start at 1 (rope_max_timescale sets the base)",
     "fused_qkv": "separate q/k/v projections only",
     "fused_mlp": "separate mlp projections only",
@@ -192,9 +190,7 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
             name: "this block (its own norms and attention variants) is not implemented"
             for name in (
                 "gemma",
-                "gemma2",
                 "gemma3",
-                "qwen2",
                 "olmo3",
                 "simple",
                 "simple_mlp",

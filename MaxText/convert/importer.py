@@ -12,10 +12,12 @@ field that differs). A tokenizer in DIR (`tokenizer.json` -> `tokenizer_type=hug
 
 `convert(config)` checks every tensor's presence and shape first (nothing is written for a
 checkpoint that does not fit), then streams: each tensor is read from its safetensors file when
-orbax writes it, put into our layout by its family's table (`layout.py`), cast to `weight_dtype`
-and dropped, so memory holds one tensor at a time (a mixture of experts' stacked parameter
-[E, ...]: filled one expert tensor at a time, so that parameter plus one expert tensor).
-Output: `OUT/0/items` + `OUT/0/config` (`MaxText/checkpoint/parameters.py`), loadable with
+orbax writes it, put into our layout by its family's table (`layout.py`), cast to `weight_dtype`,
+checked finite (a NaN or infinity refuses the conversion naming the tensor, and the partial
+output is removed) and dropped, so memory holds one tensor at a time (a mixture of experts'
+stacked parameter [E, ...] is filled one expert tensor at a time: that parameter plus one expert
+tensor). Output: `OUT/0/items` +
+`OUT/0/config` (`MaxText/checkpoint/parameters.py`, with `checksums.json`), loadable with
 `load_parameters_path=OUT/0/items` (or `OUT`) into any layout. The config item also keeps the
 source's `config.json` (and `generation_config.json`) as they were, which `to_huggingface` writes
 back.
@@ -35,6 +37,7 @@ from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import FORMAT_VERSION
 from MaxText.config import ALIASES, Config, ConfigError, load_config
 from MaxText.convert import hf_config
+from MaxText.convert.checks import require_finite
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsError, SafetensorsReader
 from MaxText.model import family_of
@@ -66,6 +69,8 @@ def _cli_value(argv: Sequence[str], key: str) -> str | None:
 def _token(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return f"{key}={'true' if value else 'false'}"
+    if isinstance(value, list | tuple):  # a list key: YAML's flow sequence
+        return f"{key}=[{', '.join(str(x) for x in value)}]"
     return f"{key}={value}"
 
 
@@ -75,9 +80,15 @@ def read_hf_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"hf_model_path={folder} has no config.json (not a Hugging Face folder)")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(raw).__name__}, not an object of fields; is it a Hugging "
+            f"Face {name}?"
+        )
+    return raw
 
 
 def tokenizer_keys(folder: Path) -> dict[str, str]:
@@ -127,19 +138,18 @@ def check_tensors(
     reader: SafetensorsReader, tensors: Sequence[Tensor], folder: Path, architecture: str
 ) -> None:
     """Every tensor present, with its shape and a float dtype; nothing else but ignorable ones."""
-    for t in tensors:
-        for name in t.hf_names:
-            if name not in reader:
-                raise ConfigError(f"hf_model_path={folder}: tensor {name} is missing")
-            if reader.shape(name) != t.hf_shape:
-                raise ConfigError(
-                    f"hf_model_path={folder}: tensor {name} has shape "
-                    f"{reader.shape(name)}, config.json implies {t.hf_shape}"
-                )
-            if reader.dtype(name).kind not in "fV":  # bfloat16 is kind 'V'
-                raise ConfigError(
-                    f"hf_model_path={folder}: tensor {name} has dtype {reader.dtype(name)}"
-                )
+    for name, tensor in ((name, t) for t in tensors for name in t.hf_names):
+        if name not in reader:
+            raise ConfigError(f"hf_model_path={folder}: tensor {name} is missing")
+        if reader.shape(name) != tensor.hf_shape:
+            raise ConfigError(
+                f"hf_model_path={folder}: tensor {name} has shape "
+                f"{reader.shape(name)}, config.json implies {tensor.hf_shape}"
+            )
+        if reader.dtype(name).kind not in "fV":  # bfloat16 is kind 'V'
+            raise ConfigError(
+                f"hf_model_path={folder}: tensor {name} has dtype {reader.dtype(name)}"
+            )
     known = {name for t in tensors for name in t.hf_names}
     for name in reader.names():
         if name in known or name.endswith(IGNORED_SUFFIXES):
@@ -171,14 +181,22 @@ def convert(config: Config, folder: Path) -> Path:
     check_tensors(reader, tensors, folder, family_of(config).hf.architecture)
     dtype = _dtype(config.weight_dtype)
 
+    where = f"hf_model_path={folder}"
+
+    def one(name: str, t: Tensor):  # each tensor checked finite as it streams (checks.py)
+        value = t.to_ours(reader.read(name))
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            cast = value.astype(dtype)
+        return require_finite(cast, name, where, value)
+
     def producer(t: Tensor):
         if not t.experts:
-            return lambda: t.to_ours(reader.read(t.hf_name)).astype(dtype)
+            return lambda: one(t.hf_name, t)
 
         def stacked():  # one expert tensor in flight: read, change layout, copy into its slice
             out = np.empty(t.shape, dtype)
             for j, name in enumerate(t.hf_names):
-                out[j] = t.to_ours(reader.read(name))
+                out[j] = one(name, t)
             return out
 
         return stacked

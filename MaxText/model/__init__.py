@@ -7,8 +7,8 @@
   feed-forward block: routing, grouped experts, expert parallelism), `norms.py`, `rope.py`,
   `params.py` (dtypes, initialisers, logical axes);
 - families: `family.py` (what a family declares: model choices and its Hugging Face tables),
-  `registry.py` (`decoder_block` -> family), and one file each: `llama.py`, `qwen3.py`, `gpt.py`,
-  `mixtral.py`, `qwen3_moe.py`.
+  `registry.py` (`decoder_block` -> family), and one file each: `llama.py`, `mistral.py`,
+  `qwen2.py`, `qwen3.py`, `gemma2.py`, `gpt.py`, `mixtral.py`, `qwen3_moe.py`.
 """
 
 from MaxText.model.decoder import (  # noqa: F401  (the package's public names)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import jaxpp_integration as jaxpp
 from MaxText.config import Config
 from MaxText.model import layers
+from MaxText.model.attention import soft_capped
 from MaxText.model.params import dtype_of, fan_in_init
 from MaxText.model.registry import family_of
 
@@ -69,6 +70,8 @@ class Decoder(nn.Module):
             embedding_VxE, ("activation_vocab", "activation_embed")
         )
         x_BxLxE = jnp.take(table_VxE, tokens_BxL, axis=0).astype(dtype)
+        if family.scale_embedding:  # Gemma: x sqrt(E), the factor rounded to the activation dtype
+            x_BxLxE = x_BxLxE * jnp.asarray(c.emb_dim**0.5, dtype)
         if not family.rope:  # a learned position table instead
             position_PxE = self.param(
                 "position_embedding",
@@ -82,10 +85,12 @@ class Decoder(nn.Module):
         stats_2xX = jnp.zeros((2, c.num_experts), jnp.float32) if c.is_moe else None
 
         stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
+        windows = family.layer_windows(c)
         if c.scan_layers:
             for stage, (name, first, count) in enumerate(scanned_blocks(c)):
+                block_windows = windows[first : first + count]
                 x_BxLxE, stats_Lx2xX = self._scan(
-                    name, stage, count, x_BxLxE, positions_BxL, segment_ids_BxL
+                    name, stage, block_windows, x_BxLxE, positions_BxL, segment_ids_BxL
                 )
                 if c.is_moe:
                     stats_2xX = stats_2xX + jnp.sum(stats_Lx2xX, axis=0)
@@ -99,7 +104,7 @@ class Decoder(nn.Module):
             new_cache = []
             for i in range(c.num_decoder_layers):
                 layer_cls = layers.layer_class(c, stage=stage)
-                layer = layer_cls(c, name=f"layers_{i}")
+                layer = layer_cls(c, window=windows[i], name=f"layers_{i}")
                 if cache is not None:
                     out, layer_cache = layer(x_BxLxE, positions_BxL, segment_ids_BxL, cache[i])
                     x_BxLxE = out[0] if c.is_moe else out
@@ -131,21 +136,27 @@ class Decoder(nn.Module):
         logits_BxLxV = jnp.einsum(
             "ble,ev->blv", x_BxLxE, head_ExV.astype(dtype), preferred_element_type=jnp.float32
         )
+        logits_BxLxV = soft_capped(logits_BxLxV, c.final_logits_soft_cap)  # Gemma 2
         return logits_BxLxV if cache is None else (logits_BxLxV, new_cache)
 
-    def _scan(self, name: str, stage: int, length: int, x_BxLxE, *per_token_args):
-        """`length` layers of `stage` as one `nn.scan` over weights stacked under `name` (leading
+    def _scan(self, name: str, stage: int, windows, x_BxLxE, *per_token_args):
+        """The layers of `stage` as one `nn.scan` over weights stacked under `name` (leading
         axis = layer): (hidden state, a MoE model's routing statistics per layer [L, 2, E] or
-        None). `per_token_args` (positions, segment ids) are broadcast to every layer."""
+        None). `per_token_args` (positions, segment ids) are broadcast to every layer.
+        `windows` (one per layer): when the model's layers differ (Gemma 2's local and global
+        layers), a scanned int32 input of the one layer program; else the layers' attribute."""
+        per_layer = len(set(family_of(self.config).layer_windows(self.config))) > 1
         scanned = nn.scan(
             layers.layer_class(self.config, scanned=True, stage=stage),
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast,) * len(per_token_args),
-            length=length,
+            in_axes=(nn.broadcast,) * len(per_token_args) + ((0,) if per_layer else ()),
+            length=len(windows),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        return scanned(self.config, name=name)(x_BxLxE, *per_token_args)
+        extra = (jnp.asarray(windows, jnp.int32),) if per_layer else ()
+        layer = scanned(self.config, window=0 if per_layer else windows[0], name=name)
+        return layer(x_BxLxE, *per_token_args, *extra)
 
 
 def _carry(x_BxLxE, stats_2xX):

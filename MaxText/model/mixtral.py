@@ -1,5 +1,6 @@
-"""Mixtral (`decoder_block=mixtral`): Llama's attention (grouped-query, RoPE, global: Hugging
-Face's `sliding_window: null`) with a mixture-of-experts feed-forward (`MaxText/model/moe.py`):
+"""Mixtral (`decoder_block=mixtral`): Mistral's attention (grouped-query, RoPE, a sliding window
+`sliding_window_size` on every layer when config.json sets `sliding_window`; the released
+checkpoints set null: global) with a mixture-of-experts feed-forward (`MaxText/model/moe.py`):
 softmax over `num_experts` router logits, the top `num_experts_per_tok`, their weights divided
 by their sum (`norm_topk_prob`, which Mixtral's format implies), SwiGLU experts
 `moe_mlp_dim` wide; Hugging Face's `MixtralForCausalLM` (transformers 4.47.1's
@@ -12,7 +13,8 @@ is the experts' width (`moe_mlp_dim`; `mlp_dim` is read equal to it)."""
 
 from __future__ import annotations
 
-from MaxText.model.family import COMMON_FIELDS, Family, HfFormat, TensorRow
+from MaxText.model import mistral
+from MaxText.model.family import COMMON_FIELDS, Family, HfFormat, TensorRow, plain_except
 from MaxText.model.llama import LLAMA_TENSORS
 from MaxText.model.moe import MoeBlock
 
@@ -30,7 +32,8 @@ _TENSORS = LLAMA_TENSORS[:7] + MIXTRAL_MOE_TENSORS + LLAMA_TENSORS[10:]
 FAMILY = Family(
     name="mixtral",
     feed_forward=MoeBlock,
-    doc="Mixtral (MixtralForCausalLM): Llama attention, softmax top-k mixture of SwiGLU experts",
+    window_pattern=(True,),
+    doc="Mixtral (MixtralForCausalLM): Mistral attention, softmax top-k mixture of SwiGLU experts",
     hf=HfFormat(
         architecture="MixtralForCausalLM",
         model_type="mixtral",
@@ -41,15 +44,18 @@ FAMILY = Family(
             "num_experts": "num_local_experts",
             "num_experts_per_tok": "num_experts_per_tok",
         },
-        fixed={"use_qk_norm": False, "norm_topk_prob": True},
+        fixed=plain_except("sliding_window_size", norm_topk_prob=True),
         accepted={
-            "sliding_window": ((None, 0), "Mixtral's released checkpoints attend globally "
-                               "(sliding_window: null); windowed attention is not a model here"),
             "hidden_act": (("silu", None), "Mixtral's experts are SwiGLU (silu)"),
             "router_jitter_noise": ((0, 0.0, None), "router jitter (noise on the router's "
                                     "input while training) is not implemented"),
         },
-        template={"hidden_act": "silu", "sliding_window": None, "output_router_logits": False,
+        template={"hidden_act": "silu", "output_router_logits": False,
                   "router_jitter_noise": 0.0},
+        # MixtralConfig's defaults (transformers 4.47.1), for fields a config.json leaves out
+        defaults={"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                  "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+        read=mistral.FAMILY.hf.read,
+        write=mistral.FAMILY.hf.write,
     ),
 )  # fmt: skip

@@ -12,7 +12,7 @@ is kept as `mlp_dim`, unused by the model, so config.json round-trips."""
 
 from __future__ import annotations
 
-from MaxText.model.family import COMMON_FIELDS, Family, HfFormat, TensorRow
+from MaxText.model.family import COMMON_FIELDS, Family, HfFormat, TensorRow, plain_except
 from MaxText.model.moe import MoeBlock
 from MaxText.model.qwen3 import QWEN3_TENSORS
 
@@ -42,7 +42,7 @@ FAMILY = Family(
             "num_experts_per_tok": "num_experts_per_tok",
             "norm_topk_prob": "norm_topk_prob",
         },
-        fixed={"use_qk_norm": True},
+        fixed=plain_except(use_qk_norm=True),
         accepted={
             "mlp_only_layers": (([], None), "every layer is a mixture of experts here; "
                                 "mlp_only_layers lists dense-MLP layers, which this model lacks"),
@@ -57,6 +57,10 @@ FAMILY = Family(
         template={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                   "sliding_window": None, "decoder_sparse_step": 1, "mlp_only_layers": [],
                   "output_router_logits": False},
+        # Qwen3MoeConfig's defaults (transformers, the commit above)
+        defaults={"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "norm_topk_prob": False, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768},
         write=lambda c: {"max_window_layers": c.num_decoder_layers},
     ),
 )  # fmt: skip

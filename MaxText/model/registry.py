@@ -7,11 +7,21 @@ config's `decoder_block` choices (`MaxText/config/loader.py`) must name the same
 
 from __future__ import annotations
 
-from MaxText.model import gpt, llama, mixtral, qwen3, qwen3_moe
+from MaxText.model import gemma2, gpt, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from MaxText.model.family import Family
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (llama.FAMILY, qwen3.FAMILY, gpt.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY)
+    f.name: f
+    for f in (
+        llama.FAMILY,
+        mistral.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        gemma2.FAMILY,
+        gpt.FAMILY,
+        mixtral.FAMILY,
+        qwen3_moe.FAMILY,
+    )
 }
 
 
