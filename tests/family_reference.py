@@ -4,7 +4,9 @@ published formulas with Hugging Face's tensor names.
 
 Modeling files followed (PyTorch, eager attention path):
 - Llama, Mistral, Qwen 2, Gemma 2: transformers 4.47.1 (`models/<family>/modeling_<family>.py`);
-- Qwen 3: transformers commit 9ee3f431c32e9e5f6c0888f6b2b0ca3f6c289dd6 (4.47.1 has no Qwen 3).
+- Qwen 3: transformers commit 9ee3f431c32e9e5f6c0888f6b2b0ca3f6c289dd6 (4.47.1 has no Qwen 3);
+- Mixtral: 4.47.1's `modeling_mixtral.py` (`MixtralSparseMoeBlock`); Qwen3-MoE: the Qwen 3
+  commit's `modeling_qwen3_moe.py` (`Qwen3MoeSparseMoeBlock`).
 
 The formulas, per layer (x the residual stream, `norm` RMSNorm: x / sqrt(mean(x^2) + eps) * w,
 Gemma's `* (1 + w)`):
@@ -20,6 +22,9 @@ Gemma's `* (1 + w)`):
     x = x + a
     y = norm(x, post_attention_layernorm (Llama-like) | pre_feedforward_layernorm (Gemma 2))
     f = (act(y Wg^T) * y Wu^T) Wd^T   act: silu, Gemma 2: tanh-approximated GELU
+    (MoE: p = softmax(y Wr^T) over the E experts, the k largest p_e and their experts e_j,
+     w_j = p_{e_j} / sum_j p_{e_j} (Mixtral always, Qwen3-MoE when norm_topk_prob) else p_{e_j},
+     f = sum_j w_j (silu(y W1_{e_j}^T) * y W3_{e_j}^T) W2_{e_j}^T)
     f = norm(f, post_feedforward_layernorm)                                 (Gemma 2)
     x = x + f
 and around the layers: x0 = embed[tokens] (Gemma 2: x sqrt(hidden_size)), logits =
@@ -36,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 GEMMA = ("gemma2",)
+MOE = ("mixtral", "qwen3_moe")
 
 
 def hf_config(family: str, **overrides) -> dict:
@@ -73,6 +79,21 @@ def hf_config(family: str, **overrides) -> dict:
             max_window_layers=2, rope_scaling=None, rms_norm_eps=1e-6, rope_theta=1000000.0,
             transformers_version="4.51.0",
         ),
+        "mixtral": dict(
+            architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=None, rope_theta=1000000.0,
+            output_router_logits=False, router_aux_loss_coef=0.02, router_jitter_noise=0.0,
+            transformers_version="4.47.1",
+        ),
+        "qwen3_moe": dict(
+            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+            attention_bias=False, use_sliding_window=False, sliding_window=None,
+            max_window_layers=2, rope_scaling=None, rms_norm_eps=1e-6, rope_theta=1000000.0,
+            output_router_logits=False, router_aux_loss_coef=0.001,
+            transformers_version="4.51.0",
+        ),
     }  # fmt: skip
     cfg = {**common, **per_family[family]}
     cfg.update(overrides)
@@ -81,6 +102,32 @@ def hf_config(family: str, **overrides) -> dict:
 
 def family_of(cfg: dict) -> str:
     return cfg["model_type"]
+
+
+def experts(cfg: dict) -> tuple[int, int, int]:
+    """(experts E, experts per token k, expert width) of a MoE config."""
+    if family_of(cfg) == "mixtral":
+        return cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]
+    return cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+
+
+def _expert_names(cfg: dict, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """(router name, per expert (gate, up, down) names) of one MoE layer."""
+    p = f"model.layers.{layer}."
+    count = experts(cfg)[0]
+    if family_of(cfg) == "mixtral":
+        e = p + "block_sparse_moe.experts.{}."
+        return p + "block_sparse_moe.gate.weight", [
+            tuple((e + w).format(j) for w in ("w1.weight", "w3.weight", "w2.weight"))
+            for j in range(count)
+        ]
+    e = p + "mlp.experts.{}."
+    return p + "mlp.gate.weight", [
+        tuple(
+            (e + w).format(j) for w in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        )  # fmt: skip
+        for j in range(count)
+    ]
 
 
 def head_dim(cfg: dict) -> int:
@@ -103,14 +150,20 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (k, e),
             p + "self_attn.o_proj.weight": (e, h),
             p + "post_attention_layernorm.weight": (e,),
-            p + "mlp.gate_proj.weight": (m, e),
-            p + "mlp.up_proj.weight": (m, e),
-            p + "mlp.down_proj.weight": (e, m),
         })  # fmt: skip
+        if family in MOE:
+            count, _, f = experts(cfg)
+            router, names = _expert_names(cfg, i)
+            shapes[router] = (count, e)
+            for gate, up, down in names:
+                shapes.update({gate: (f, e), up: (f, e), down: (e, f)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (m, e), p + "mlp.up_proj.weight": (m, e),
+                           p + "mlp.down_proj.weight": (e, m)})  # fmt: skip
         if family == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (h,), p + "self_attn.k_proj.bias": (k,),
                            p + "self_attn.v_proj.bias": (k,)})  # fmt: skip
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe"):
             shapes.update({p + "self_attn.q_norm.weight": (d,),
                            p + "self_attn.k_norm.weight": (d,)})  # fmt: skip
         if family in GEMMA:
@@ -187,11 +240,12 @@ def mask(length: int, window: int) -> np.ndarray:
     return allowed
 
 
-def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndarray:
+def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=(), router=None) -> np.ndarray:
     """float64 logits [B, L, V] of `cfg`'s model (see the module docstring). `skip` drops or
     changes named steps so a test can show each one matters: "window" (none), "window+1" (W + 1
     keys), "qk_norm", "softcap" (both caps), "bias" (Qwen 2's), "norm_offset" (Gemma's w for
-    1 + w)."""
+    1 + w), "topk_norm" (the MoE weights not renormalised). A MoE model appends each layer's
+    router probabilities [B*L, E] to the list `router` when one is given."""
     t = {n: a.astype(np.float64) for n, a in tensors.items()}
     family = family_of(cfg)
     gemma = family in GEMMA
@@ -226,7 +280,7 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
         q = proj("q", y).reshape(b, length, h, d)
         k = proj("k", y).reshape(b, length, kv, d)
         v = proj("v", y).reshape(b, length, kv, d)
-        if family == "qwen3" and "qk_norm" not in skip:
+        if family in ("qwen3", "qwen3_moe") and "qk_norm" not in skip:
             q = _rms_norm(q, t[p + "self_attn.q_norm.weight"], eps, 0.0)
             k = _rms_norm(k, t[p + "self_attn.k_norm.weight"], eps, 0.0)
         q = q * cos + _rotate_half(q) * sin
@@ -248,8 +302,11 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
         x = x + a
         y = norm(x, p + ("pre_feedforward_layernorm.weight" if gemma
                          else "post_attention_layernorm.weight"))  # fmt: skip
-        gate = y @ t[p + "mlp.gate_proj.weight"].T
-        f = (act(gate) * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+        if family in MOE:
+            f = _moe(cfg, t, i, y, act, "topk_norm" not in skip, router)
+        else:
+            gate = y @ t[p + "mlp.gate_proj.weight"].T
+            f = (act(gate) * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
         if gemma:
             f = norm(f, p + "post_feedforward_layernorm.weight")
         x = x + f
@@ -259,6 +316,40 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
     if final_cap:
         logits = final_cap * np.tanh(logits / final_cap)
     return logits
+
+
+def _softmax(z):
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _moe(cfg: dict, t: dict, layer: int, y, act, renormalise: bool, router):
+    """The sparse MoE block of one layer on y [B, L, E] (float64)."""
+    count, k, _ = experts(cfg)
+    router_name, names = _expert_names(cfg, layer)
+    rows = y.reshape(-1, y.shape[-1])
+    probs = _softmax(rows @ t[router_name].T)
+    if router is not None:
+        router.append(probs)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(probs, ids, axis=-1)
+    if renormalise and (family_of(cfg) == "mixtral" or cfg.get("norm_topk_prob")):
+        w = w / w.sum(-1, keepdims=True)
+    out = np.zeros_like(rows)
+    for e, (gate, up, down) in enumerate(names):
+        token, slot = np.nonzero(ids == e)
+        if token.size:
+            x = rows[token]
+            h = act(x @ t[gate].T) * (x @ t[up].T)
+            out[token] += w[token, slot, None] * (h @ t[down].T)
+    return out.reshape(y.shape)
+
+
+def router_margin(router: list, k: int) -> float:
+    """The smallest gap between the k-th and (k+1)-th router probability of any token in any
+    layer: above float32 rounding, float32 and float64 route alike."""
+    gaps = [np.min(-np.diff(-np.sort(-p, axis=-1)[:, k - 1 : k + 1], axis=-1)) for p in router]
+    return float(min(gaps))
 
 
 def cross_entropy(logits: np.ndarray, targets: np.ndarray, mask_: np.ndarray) -> float:
