@@ -25,10 +25,11 @@ router probabilities are within that rounding (~1e-7) of each other; the fixed d
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from compare import assert_close_per_leaf, assert_on_group
+from compare import assert_bitwise, assert_close_per_leaf, assert_on_group
 from small_model import SMALL_MODEL_SHAPE, merged
 
 from jaxpp_integration.tools.collectives import program_collectives, task_collectives
@@ -226,10 +227,10 @@ def test_full_remat_recomputes_the_dispatch(trainers):
 
 
 SCHEDULES = {
-    "gpipe": ("pipeline_stage_layers=3,1",),  # uneven: a boundary anywhere
-    "eager_1f1b": ("pipeline_stage_layers=1,3",),
+    "gpipe": (),  # the same stage programs as 1F1B's, in another order
+    "eager_1f1b": (),
     "interleaved_1f1b": ("num_pipeline_repeats=2",),  # 4 one-layer stages on 2 groups
-    "zero_bubble": (),
+    "zero_bubble": ("pipeline_stage_layers=3,1",),  # uneven: a boundary anywhere
     "dualpipev": ("num_pipeline_repeats=2",),
 }
 
@@ -237,6 +238,40 @@ SCHEDULES = {
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_every_schedule_runs_moe_stages(trainers, schedule):
     """Every built-in schedule (1F1B above) runs MoE stages at pp=2 x ep=2, stage boundaries
-    anywhere between layers: one step as `jax.jit` of the same step."""
+    anywhere between layers (3 + 1 layers; 4 one-layer virtual stages): one step as `jax.jit` of
+    the same step."""
     config, trainer = trainers(*PP2_EP2, f"pipeline_schedule={schedule}", *SCHEDULES[schedule])
     run_against_jit(config, trainer, steps=1)
+
+
+# ------------------------------------------------------------------ the load-balancing loss
+
+
+def test_router_gradient_of_the_lm_loss_alone_when_the_weight_is_0(tmp_path):
+    """load_balance_loss_weight=0: the step's gradient of every router equals the gradient of the
+    LM loss alone (bitwise: the load-balancing term adds exact zeros); at 0.02 the routers'
+    differ while the last layer's experts, which no router sees, still get the LM gradient.
+    Two layers, one device (the step's microbatch gradient, `microbatch_fn`)."""
+    from MaxText.model import Decoder
+    from MaxText.train_step import make_loss_fn, microbatch_fn, split_microbatches
+
+    grads = {}
+    for weight in (0.0, 0.02):
+        config = moe_config(tmp_path, "num_decoder_layers=2", f"load_balance_loss_weight={weight}")
+        model = Decoder(config)
+        batch = batches(config, 1)[0]
+        shapes = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"][:1])["params"]
+        rng = np.random.default_rng(0)  # random values without compiling an initialisation
+        params = jax.tree.map(lambda s, rng=rng: rng.normal(0, 0.2, s.shape).astype(s.dtype),
+                              nn.unbox(shapes))  # fmt: skip
+        m = config.num_pipeline_microbatches
+        mb = {k: split_microbatches(v, m)[0] for k, v in batch.items()}
+        step = jax.jit(lambda p, b, mb, c=config, m=model: microbatch_fn(c, m, p, b)(mb)[2])
+        grads[weight] = host(step(params, batch, mb))
+    lm = jax.jit(jax.grad(lambda p, mb, m=model: make_loss_fn(m)(p, mb)[0]))(params, mb)
+    lm_alone = host(lm)["layers"]["mlp"]
+    with_zero, with_lb = (grads[w]["layers"]["mlp"] for w in (0.0, 0.02))
+    assert_bitwise(lm_alone["gate"], with_zero["gate"], "routers")
+    for layer in range(2):
+        assert not np.array_equal(lm_alone["gate"][layer], with_lb["gate"][layer])
+    assert_bitwise(lm_alone["wo"][1], with_lb["wo"][1], "the last layer's experts")
