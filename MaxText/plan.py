@@ -12,9 +12,9 @@ remat policy of each stage.
 
 Exit code 0 when every group fits the hardware's memory, 1 with one line per group that does not
 (and concrete suggestions), 2 for a config error, a hardware flag out of range (`--memory-gb`,
-`--peak-tflops`, `--hbm-gbps`, `--link-gbps` must be > 0, `--efficiency` in (0, 1]) or a `--json`
-file that cannot be written (checked before anything is compiled). `--json` writes the plan as
-data (see `Plan`). Exit codes: `MaxText/exit_codes.py`.
+`--peak-tflops`, `--hbm-gbps`, `--link-gbps`, `--ici-gbps` must be > 0, `--efficiency` in
+(0, 1]) or a `--json` file that cannot be written (checked before anything is compiled).
+`--json` writes the plan as data (see `Plan`). Exit codes: `MaxText/exit_codes.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,13 @@ from MaxText import exit_codes
 from MaxText.cluster.compile_cache import compilation_cache
 from MaxText.cluster.output_paths import writable_file
 from MaxText.planning.auto import describe_remat, make_plan, resolve_schedule
-from MaxText.planning.cost_model import Plan, byte_unit, describe_gradients, format_bytes
+from MaxText.planning.cost_model import (
+    Plan,
+    byte_unit,
+    describe_gradients,
+    describe_moe,
+    format_bytes,
+)
 from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
 
 
@@ -59,6 +65,8 @@ def format_plan(plan: Plan) -> str:
     )
     if plan.gradients is not None:
         rows.append(describe_gradients(plan.gradients))
+    if plan.moe is not None:
+        rows.append(describe_moe(plan.moe))
     if plan.remat is not None:
         rows.append(describe_remat(plan.remat))
     elif plan.stage_remat and len(set(plan.stage_remat)) > 1:
@@ -108,6 +116,7 @@ def _parser() -> exit_codes.ArgumentParser:
         "peak-tflops": "dense bf16 peak per device, TFLOP/s",
         "hbm-gbps": "device memory bandwidth, GB/s",
         "link-gbps": "stage-to-stage bandwidth per device, GB/s",
+        "ici-gbps": "bandwidth per device inside a group (NVLink), GB/s: the MoE all-to-all",
     }
     for flag, what in overrides.items():
         parser.add_argument(f"--{flag}", type=_positive, default=None, help=f"{what} (> 0)")
@@ -144,6 +153,7 @@ def _plan(args, rest) -> int:
         "peak_tflops": args.peak_tflops,
         "hbm_gbps": args.hbm_gbps,
         "link_gbps": args.link_gbps,
+        "ici_gbps": args.ici_gbps,
         "efficiency": args.efficiency,
     }
     hardware = dataclasses.replace(

@@ -75,9 +75,12 @@ class Plan:
     transfer_s: float = 0.0  # one stage boundary crossing (activation or cotangent)
     num_layers: int = 0  # decoder layers: a stage holds at least one, so stages <= layers
     gradients: dict | None = None  # `gradient_communication` of the compiled step
+    moe: dict | None = None  # `moe_report` of a mixture-of-experts step
 
     def as_json(self) -> dict[str, Any]:
         extra = {"gradients": self.gradients} if self.gradients is not None else {}
+        if self.moe is not None:
+            extra["moe"] = self.moe
         return {
             **extra,
             "fits": self.fits,
@@ -139,7 +142,7 @@ def _state_kind(path) -> str:
     return "params" if getattr(path[1], "key", None) == "params" else "optimizer"
 
 
-def _cost(task, hardware: Hardware) -> tuple[float, float]:
+def _cost(task, hardware: Hardware, config=None) -> tuple[float, float]:
     """(FLOPs, bytes) per device of one task of the engine's report, for `hardware.task_seconds`.
 
     FLOPs: XLA's `cost_analysis()` counts a loop's body once, so a scanned stage would look
@@ -148,11 +151,19 @@ def _cost(task, hardware: Hardware) -> tuple[float, float]:
     accessed (scaled like the FLOPs) when the compiling backend is the one that will run
     (`hardware.compiler_bytes`); for a preset planned elsewhere, the program's arguments and
     outputs (`memory_analysis()`), the traffic any backend must do: XLA:CPU's fusion, and so
-    its traffic, says little about a GPU's."""
+    its traffic, says little about a GPU's. A mixture of experts' loop task counts its experts'
+    work at balanced routing (`moe_costs.flops_correction`)."""
+    counted = task.matmul_flops / task.devices
+    if config is not None and config.is_moe and task.kind == "loop":
+        from MaxText.planning import moe_costs
+
+        layers = config.stage_layers[task.stage]
+        recompute = config.stage_remat[task.stage] != "none"
+        counted += moe_costs.flops_correction(config, task.phase.value, layers, recompute)
     return _roofline_inputs(
         task.flops,
         task.bytes_accessed,
-        task.matmul_flops / task.devices,
+        counted,
         task.argument_bytes + task.output_bytes,
         hardware,
     )
@@ -202,7 +213,11 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
 
     report = compiled.report()
     schedule = report.schedule
-    seconds = {t.index: hardware.task_seconds(*_cost(t, hardware)) for t in report.tasks}
+    moe_s = _moe_task_seconds(config, compiled, report, hardware) if config.is_moe else {}
+    seconds = {
+        t.index: hardware.task_seconds(*_cost(t, hardware, config)) + moe_s.get(t.index, 0.0)
+        for t in report.tasks
+    }
     peaks = report.memory(per_device=True, temps=True)
 
     n = report.num_groups
@@ -258,6 +273,7 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     return dataclasses.replace(
         out,
         gradients=gradient_communication(compiled, groups),
+        moe=moe_report(config, compiled, report, moe_s, step_time) if config.is_moe else None,
         stage_costs=stage_costs,
         baseline=baseline,
         stage_remat=tuple(config.stage_remat),
@@ -309,6 +325,65 @@ def gradient_communication(compiled, groups) -> dict:
             for g in groups
         ],
     }
+
+
+def _moe_task_seconds(config, compiled, report, hardware: Hardware) -> dict:
+    """Task index -> seconds of its all-to-alls (read off its HLO; see `moe_costs`)."""
+    from jaxpp_integration.tools.collectives import instruction_collectives
+    from MaxText.planning import moe_costs
+
+    cache: dict = {}
+    out = {}
+    for t in report.tasks:
+        if t.kind == "loop" and t.flops:  # compiled here (another process's group: zeros)
+            _, nbytes = instruction_collectives(compiled, t.index, cache).get("all-to-all", (0, 0))
+            out[t.index] = moe_costs.all_to_all_seconds(nbytes, config.mesh_expert, hardware)
+    return out
+
+
+def moe_report(config, compiled, report, a2a_seconds: dict, step_time: float) -> dict:
+    """A mixture of experts' plan terms (`moe_costs`): parameters total and active, the
+    experts' bytes per device of each group, one layer's dispatch buffers per device, the step's
+    all-to-alls (launches and bytes per device, from the HLO) and their time: the largest total
+    of one group's tasks, and its share of the predicted step."""
+    from jaxpp_integration.tools.collectives import program_collectives
+    from MaxText.planning import flops as flops_of
+    from MaxText.planning import moe_costs
+
+    total, active = moe_costs.param_counts(config)
+    layers_on = [0] * report.num_groups
+    for s, n in enumerate(config.stage_layers):
+        layers_on[report.schedule.stage_to_rank(s)] += n
+    counts = program_collectives(compiled)
+    per_group = [0.0] * report.num_groups
+    for t in report.tasks:
+        per_group[t.group] += a2a_seconds.get(t.index, 0.0)
+    a2a = counts["all-to-all"]
+    return {
+        "params_total": total,
+        "params_active": active,
+        "experts_per_device": config.num_experts // config.mesh_expert,
+        "expert_bytes_per_device": [moe_costs.expert_bytes(config, n) for n in layers_on],
+        "dispatch_bytes_per_layer": moe_costs.dispatch_bytes(config),
+        "all_to_all": {"launches": a2a["launches"], "bytes": a2a["bytes"]},
+        "all_to_all_s": max(per_group),
+        "all_to_all_share": max(per_group) / step_time if step_time else 0.0,
+        "model_flops_per_step": flops_of.training_flops_per_step(config).total,
+    }
+
+
+def describe_moe(report: dict) -> str:
+    """One line of `moe_report` for the printed plan."""
+    a2a = report["all_to_all"]
+    return (
+        f"mixture of experts: {report['params_total'] / 1e9:.3g}B parameters, "
+        f"{report['params_active'] / 1e9:.3g}B active per token; "
+        f"{report['experts_per_device']} experts per device "
+        f"({' / '.join(format_bytes(b) for b in report['expert_bytes_per_device'])} per group); "
+        f"dispatch buffers {format_bytes(report['dispatch_bytes_per_layer'])} per layer; "
+        f"all-to-all {a2a['launches']} per step ({format_bytes(a2a['bytes'])} per device), "
+        f"{report['all_to_all_s']:.3f} s = {100 * report['all_to_all_share']:.1f}% of the step"
+    )
 
 
 def describe_gradients(report: dict) -> str:

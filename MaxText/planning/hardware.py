@@ -107,6 +107,9 @@ class Hardware:
     hbm_gbps: float  # device memory bandwidth, GB/s
     link_gbps: float  # stage-to-stage bandwidth per device, GB/s (pipelines usually cross nodes)
     efficiency: float = 0.6  # fraction of the peak a large matmul-bound task reaches
+    # bandwidth per device, one direction, between the devices of one group (NVLink on one
+    # node), GB/s: what the MoE all-to-all over the expert axis runs at
+    ici_gbps: float = 450.0
     # task bytes from XLA's own cost analysis: true when the backend compiling the plan is the
     # one that will run it (this host, or the trainer's own devices); a preset planned on a CPU
     # host counts each task's arguments and outputs instead (see
@@ -120,12 +123,14 @@ class Hardware:
 
 
 # SXM parts; link = one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), the usual inter-node fabric
-# a pipeline crosses. Override any figure with --memory-gb, --peak-tflops, --hbm-gbps, --link-gbps.
+# a pipeline crosses; ici = NVLink inside a node (H100/H200 NVLink 4: 900 GB/s both ways, so 450
+# one way; A100 NVLink 3: 300). Override any figure with --memory-gb, --peak-tflops, --hbm-gbps,
+# --link-gbps, --ici-gbps.
 # The presets plan in bf16: their peak is the table's bf16 column.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", 80 * GB, GPU_PEAK_TFLOPS["H100"][0], 3350.0, 50.0),
     "h200": Hardware("h200", 141 * GB, GPU_PEAK_TFLOPS["H200"][0], 4800.0, 50.0),
-    "a100": Hardware("a100", 80 * GB, GPU_PEAK_TFLOPS["A100"][0], 2039.0, 25.0),
+    "a100": Hardware("a100", 80 * GB, GPU_PEAK_TFLOPS["A100"][0], 2039.0, 25.0, ici_gbps=300.0),
 }
 
 
@@ -139,6 +144,7 @@ def cpu_hardware(num_devices: int) -> Hardware:
         10.0,
         2.0,
         efficiency=0.5,
+        ici_gbps=10.0,  # emulated devices copy through this host's memory
         compiler_bytes=True,
     )
 

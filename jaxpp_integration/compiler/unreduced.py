@@ -23,10 +23,10 @@ differentiation only evaluate) are inlined so gradients computed inside them can
 `scan` bodies (a scanned layer stack, forward and backward) are evaluated the same way inside a
 new `scan`: a per-layer weight gradient leaves the backward scan as a partial sum per trip, a
 gradient carried across trips is carried partial, so nothing deferred is reduced inside the
-loop (`_scan`). `while`/`cond` bodies are left alone (their outputs are reduced where made). A `shard_map`
-runs as is; its outputs' rows are read off its out_specs, so a sum outside it over a dimension
-its devices split (a MoE block's per-device weight-gradient partials, `MaxText/model/moe.py`)
-is deferred like any other.
+loop (`_scan`). `while`/`cond` bodies are left alone (their outputs are reduced where made).
+A `shard_map` runs as is; its outputs' rows are read off its out_specs, so a sum outside it over
+a dimension its devices split (a MoE block's per-device weight-gradient partials,
+`MaxText/model/moe.py`) is deferred like any other.
 
 `finish` hooks let the caller transform an output right where it is made (`reduction_plan`:
 the per-microbatch reduce-scatter over fsdp of `gradient_reduction="auto"`). The same row

@@ -322,6 +322,17 @@ def _task_ops(compiled, idx: int, cache: dict) -> list:
     return cache[key]
 
 
+def instruction_collectives(compiled, index: int, cache: dict | None = None) -> dict:
+    """{kind: (launches, bytes per device)} of one run of instruction `index`'s executable (a
+    `Run`), a collective in a loop counted per trip. Pass one `cache` dict to several calls to
+    read each executable once."""
+    out: dict = {}
+    for op, _ in _task_ops(compiled, index, {} if cache is None else cache):
+        n, b = out.get(op.kind, (0, 0))
+        out[op.kind] = (n + op.times, b + op.times * op.bytes)
+    return out
+
+
 def task_collectives(compiled, name_prefix: str, kind: str, axes: tuple | None = None) -> int:
     """Launches of `kind` per step summed over task instances whose name starts with
     `name_prefix` (e.g. "bwd_", "reduce_"); with `axes`, only those spanning exactly these mesh

@@ -282,9 +282,11 @@ def xla_costs(executable) -> XlaCosts:
 
 def matmul_flops(jaxpr_or_eqns) -> float:
     """2·M·N·K summed over every `dot_general` of a jaxpr (or a list of its equations) and of the
-    jaxprs inside them, a scan's body once per iteration. Counted on the program itself, so it
-    includes rematerialised work; XLA's `cost_analysis()` counts a loop's body only once, which
-    undercounts a scanned stage by its layer count."""
+    jaxprs inside them, a scan's body once per iteration and a `shard_map`'s body once per device
+    it runs on (its shapes are one device's). Counted on the program itself, so it includes
+    rematerialised work; XLA's `cost_analysis()` counts a loop's body only once, which
+    undercounts a scanned stage by its layer count. Data-dependent work (`ragged_dot`, whose
+    rows depend on the routing) is not counted: its caller knows what to expect."""
     from jax.extend.core import jaxprs_in_params
 
     eqns = getattr(jaxpr_or_eqns, "eqns", jaxpr_or_eqns)
@@ -301,6 +303,18 @@ def matmul_flops(jaxpr_or_eqns) -> float:
                 out *= d
             total += 2.0 * out * k
         trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        if eqn.primitive.name == "shard_map":
+            trips = _manual_devices(eqn.params)
         for sub in jaxprs_in_params(eqn.params):
             total += trips * matmul_flops(sub)
     return total
+
+
+def _manual_devices(params) -> int:
+    """Devices a `shard_map` body runs on: the product of its manual axes' sizes."""
+    shape = dict(params["mesh"].shape)
+    axes = params.get("manual_axes") or params.get("newly_manual_axes") or shape
+    out = 1
+    for a in axes:
+        out *= shape[a]
+    return out
