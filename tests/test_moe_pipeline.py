@@ -275,3 +275,49 @@ def test_router_gradient_of_the_lm_loss_alone_when_the_weight_is_0(tmp_path):
     for layer in range(2):
         assert not np.array_equal(lm_alone["gate"][layer], with_lb["gate"][layer])
     assert_bitwise(lm_alone["wo"][1], with_lb["wo"][1], "the last layer's experts")
+
+
+# ------------------------------------------------------------------ the planner
+
+
+def test_planner_reads_the_moe_step(trainers):
+    """The plan of the compiled pp=2 x ep=2 step (no new compile): total parameters are the
+    state's, active ones that less (E - k) of every layer's experts; each group's experts take
+    the bytes its devices hold; one layer's dispatch buffers are [ep, C, D + 1] twice and
+    [ep, C, D] twice at C = T x min(k, E / ep); the all-to-alls are the HLO's 2 per layer and
+    microbatch in each direction; the experts' counted work is the blocks kernel's padded blocks,
+    its custom backward recomputing the gate and up projections (so the planner replaces it by
+    the balanced routing's)."""
+    from MaxText.model import moe
+    from MaxText.planning import cost_model, moe_costs
+    from MaxText.planning.hardware import cpu_hardware
+
+    config, trainer = trainers(*PP2_EP2)
+    plan = cost_model.plan_compiled(
+        config, cpu_hardware(config.num_devices), trainer.train_step, trainer.abstract_state
+    )
+    report = plan.moe
+    params = trainer.abstract_state["params"]
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    d, f = config.emb_dim, config.moe_mlp_dim
+    assert report["params_total"] == total
+    assert report["params_active"] == total - 4 * (E - K) * 3 * d * f
+    expert = [0, 0]
+    for s in range(2):
+        for name in ("wi_0", "wi_1", "wo"):
+            leaf = params[f"layers_stage_{s}"]["mlp"][name]  # [layers, E, ...] over ep devices
+            expert[s] += int(np.prod(leaf.shape)) * 4 // config.mesh_expert
+    assert report["expert_bytes_per_device"] == expert
+    t = config.microbatch_size // config.data_parallel_devices * config.max_target_length
+    c = t * min(K, E // 2)
+    assert report["dispatch_bytes_per_layer"] == 2 * c * (2 * (d + 1) + 2 * d) * 4
+    m = config.num_pipeline_microbatches
+    assert report["all_to_all"]["launches"] == 2 * 4 * m * 2
+    assert 0 < report["all_to_all_share"] < 1 and plan.predicted["step_time_s"] > 0
+    rows = 2 * c  # ep x C received slots, in blocks of B rows: ceil(rows / B) + G blocks
+    block = moe.block_rows(rows, E // 2)
+    blocks = -(-rows // block) + E // 2
+    per_row = 2 * d * f * 2 + 2 * f * d
+    counted_fwd, counted_bwd = moe_costs.counted_expert_flops(config)
+    assert counted_fwd == blocks * block * per_row  # 3 matmuls per block
+    assert counted_bwd == blocks * block * 8 * 2 * d * f  # 2 recomputed, 6 for the gradients
