@@ -321,3 +321,32 @@ def test_planner_reads_the_moe_step(trainers):
     counted_fwd, counted_bwd = moe_costs.counted_expert_flops(config)
     assert counted_fwd == blocks * block * per_row  # 3 matmuls per block
     assert counted_bwd == blocks * block * 8 * 2 * d * f  # 2 recomputed, 6 for the gradients
+
+
+def test_stage_costs_weigh_each_layer_by_its_all_to_alls(trainers):
+    """`pipeline_stage_layers=auto` balances on the planned cost of a layer, which includes its
+    all-to-alls: planned over links 100x slower, the cost per layer grows by exactly the time of
+    one layer's 4 all-to-alls (2 forward, 2 backward) per microbatch at the two link speeds."""
+    import dataclasses
+
+    from jaxpp_integration.tools.collectives import program_collectives
+    from MaxText.planning import cost_model, moe_costs
+    from MaxText.planning.hardware import cpu_hardware
+
+    config, trainer = trainers(*PP2_EP2)
+    fast = cpu_hardware(config.num_devices)
+    slow = dataclasses.replace(fast, ici_gbps=fast.ici_gbps / 100)
+    plans = [
+        cost_model.plan_compiled(config, hw, trainer.train_step, trainer.abstract_state)
+        for hw in (fast, slow)
+    ]
+    by_task = program_collectives(trainer.train_step)["by_task"]
+    assert by_task["fwd_0"]["all-to-all"] == by_task["bwd_0"]["all-to-all"] == 2 * 2
+    a2a = program_collectives(trainer.train_step, where=lambda code: code.name == "fwd_0")
+    per_call = a2a["all-to-all"]["bytes"] / a2a["all-to-all"]["launches"]
+    layer = 4 * per_call  # one layer's 2 + 2 all-to-alls of one microbatch
+    grown = plans[1].stage_costs.seconds_per_layer - plans[0].stage_costs.seconds_per_layer
+    want = moe_costs.all_to_all_seconds(layer, 2, slow) - moe_costs.all_to_all_seconds(
+        layer, 2, fast
+    )
+    assert grown == pytest.approx(want, rel=1e-6)
