@@ -383,6 +383,12 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         in_shardings=(state_shardings["params"], batch_shardings),
         out_shardings={"loss_sum": replicated, "tokens": replicated},
     )
+    if config.is_moe:  # the MoE block splits its experts by the mesh and rules it is traced in
+        moe_eval = eval_jitted
+
+        def eval_jitted(params, batch):
+            with jax.set_mesh(mesh), sharding.axis_rules():
+                return moe_eval(params, batch)
 
     def put_batch(batch):
         # Each process holds its own rows (MaxText.data gives B / num_processes of them).

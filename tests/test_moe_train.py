@@ -75,6 +75,6 @@ def test_tiny_moe_trains_resumes_converts_and_generates(tmp_path, capsys):
 
     capsys.readouterr()
     assert generate([BASE, f"base_output_directory={tmp_path}", "run_name=full",
-                     "max_predict_length=24"]) == 0  # fmt: skip
+                     "max_prefill_predict_length=8", "max_predict_length=24"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert out.startswith("ROMEO:") and len(out.strip()) > len("ROMEO:")
