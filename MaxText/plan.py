@@ -8,7 +8,8 @@ step compiled on abstract inputs, no parameter memory), with every `auto` key de
 decides it (`MaxText.planning.auto`), and prints per pipeline group and per device: parameters,
 optimizer state, gradient accumulators, peak activations, XLA temporaries and the total peak;
 then the predicted step time, bubble and MFU, the stage split (even vs auto side by side) and the
-remat policy of each stage.
+remat policy of each stage. A mixture of experts adds a line (`cost_model.describe_moe`) and is
+planned for a GPU preset with its GPU kernel (`moe_matmul=auto` is `ragged_dot` there).
 
 Exit code 0 when every group fits the hardware's memory, 1 with one line per group that does not
 (and concrete suggestions), 2 for a config error, a hardware flag out of range (`--memory-gb`,
@@ -148,6 +149,9 @@ def _plan(args, rest) -> int:
     xla_flags.apply_gpu_defaults(config.hardware)  # a GPU plan compiles as the trainer does
     config, _ = devices.start(config)
     hardware = HARDWARE.get(args.hardware) or cpu_hardware(config.num_devices)
+    if config.is_moe and config.moe_matmul == "auto" and args.hardware in HARDWARE:
+        # plan the program a GPU runs (`moe_matmul=auto` is ragged_dot there), not this host's
+        config = config.replace(moe_matmul="ragged_dot")
     overrides = {
         "memory_bytes": args.memory_gb and args.memory_gb * GB,
         "peak_tflops": args.peak_tflops,

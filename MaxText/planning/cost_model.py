@@ -372,12 +372,16 @@ def moe_report(config, compiled, report, a2a_seconds: dict, step_time: float) ->
     }
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def describe_moe(report: dict) -> str:
     """One line of `moe_report` for the printed plan."""
     a2a = report["all_to_all"]
     return (
-        f"mixture of experts: {report['params_total'] / 1e9:.3g}B parameters, "
-        f"{report['params_active'] / 1e9:.3g}B active per token; "
+        f"mixture of experts: {_count(report['params_total'])} parameters, "
+        f"{_count(report['params_active'])} active per token; "
         f"{report['experts_per_device']} experts per device "
         f"({' / '.join(format_bytes(b) for b in report['expert_bytes_per_device'])} per group); "
         f"dispatch buffers {format_bytes(report['dispatch_bytes_per_layer'])} per layer; "
