@@ -303,3 +303,30 @@ def test_dropless_when_every_token_picks_one_device(case):
     assert np.all(np.isin(ids, [0, 1])) and _margin(probs) >= MARGIN
     assert_close_per_leaf(want, np.asarray(y), RTOL, "all slots on one device")
     assert float(np.asarray(stats[0][:2]).sum()) == B * L * K
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (["ici_expert_parallelism=3"],
+         "num_experts=8 is not divisible by ici_expert_parallelism=3"),
+        (["decoder_block=llama", "num_experts=1", "ici_expert_parallelism=2"],
+         "ici_expert_parallelism=2 splits the experts of a mixture-of-experts model, but "
+         "num_experts=1"),
+        (["num_experts=1"], "decoder_block=mixtral is a mixture of experts: set num_experts >= 2"),
+        (["decoder_block=llama"], "num_experts=8 needs a mixture-of-experts block"),
+        (["num_experts_per_tok=9"], "num_experts_per_tok=9 is more than num_experts=8"),
+        (["num_experts=1024", "dtype=bfloat16", "ici_expert_parallelism=2"],
+         "512 experts per device exceeds 256, the largest expert id dtype=bfloat16 carries"),
+        (["dcn_expert_parallelism=2"], "not supported here: dcn_expert_parallelism"),
+        (["capacity_factor=1.25"], "MoE layers are dropless"),
+    ],
+)  # fmt: skip
+def test_moe_config_errors_are_one_line(keys, message):
+    """Each impossible MoE combination is refused at load with one line naming the keys and the
+    fix (train.py exits 2 on it, before anything is compiled)."""
+    from MaxText.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _config(*keys)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
