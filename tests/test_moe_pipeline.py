@@ -343,7 +343,8 @@ def test_stage_costs_weigh_each_layer_by_its_all_to_alls(trainers):
     by_task = program_collectives(trainer.train_step)["by_task"]
     assert by_task["fwd_0"]["all-to-all"] == by_task["bwd_0"]["all-to-all"] == 2 * 2
     a2a = program_collectives(trainer.train_step, where=lambda code: code.name == "fwd_0")
-    per_call = a2a["all-to-all"]["bytes"] / a2a["all-to-all"]["launches"]
+    per_call = a2a["all-to-all"]["bytes"] / a2a["all-to-all"]["launches"]  # float32: as compiled
+    assert per_call == moe_costs.all_to_all_bytes(config)
     layer = 4 * per_call  # one layer's 2 + 2 all-to-alls of one microbatch
     grown = plans[1].stage_costs.seconds_per_layer - plans[0].stage_costs.seconds_per_layer
     want = moe_costs.all_to_all_seconds(layer, 2, slow) - moe_costs.all_to_all_seconds(

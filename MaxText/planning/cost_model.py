@@ -328,15 +328,17 @@ def gradient_communication(compiled, groups) -> dict:
 
 
 def _moe_task_seconds(config, compiled, report, hardware: Hardware) -> dict:
-    """Task index -> seconds of its all-to-alls (read off its HLO; see `moe_costs`)."""
+    """Task index -> seconds of its all-to-alls (counted in its HLO; see `moe_costs`)."""
     from jaxpp_integration.tools.collectives import instruction_collectives
     from MaxText.planning import moe_costs
 
+    per_launch = moe_costs.all_to_all_bytes(config)
     cache: dict = {}
     out = {}
     for t in report.tasks:
         if t.kind == "loop" and t.flops:  # compiled here (another process's group: zeros)
-            _, nbytes = instruction_collectives(compiled, t.index, cache).get("all-to-all", (0, 0))
+            counts = instruction_collectives(compiled, t.index, cache)
+            nbytes = counts.get("all-to-all", (0, 0))[0] * per_launch
             out[t.index] = moe_costs.all_to_all_seconds(nbytes, config.mesh_expert, hardware)
     return out
 
@@ -344,8 +346,8 @@ def _moe_task_seconds(config, compiled, report, hardware: Hardware) -> dict:
 def moe_report(config, compiled, report, a2a_seconds: dict, step_time: float) -> dict:
     """A mixture of experts' plan terms (`moe_costs`): parameters total and active, the
     experts' bytes per device of each group, one layer's dispatch buffers per device, the step's
-    all-to-alls (launches and bytes per device, from the HLO) and their time: the largest total
-    of one group's tasks, and its share of the predicted step."""
+    all-to-alls (launches from the HLO, bytes per device in `dtype`) and their time: the largest
+    total of one group's tasks, and its share of the predicted step."""
     from jaxpp_integration.tools.collectives import program_collectives
     from MaxText.planning import flops as flops_of
     from MaxText.planning import moe_costs
@@ -365,7 +367,10 @@ def moe_report(config, compiled, report, a2a_seconds: dict, step_time: float) ->
         "experts_per_device": config.num_experts // config.mesh_expert,
         "expert_bytes_per_device": [moe_costs.expert_bytes(config, n) for n in layers_on],
         "dispatch_bytes_per_layer": moe_costs.dispatch_bytes(config),
-        "all_to_all": {"launches": a2a["launches"], "bytes": a2a["bytes"]},
+        "all_to_all": {
+            "launches": a2a["launches"],
+            "bytes": a2a["launches"] * moe_costs.all_to_all_bytes(config),
+        },
         "all_to_all_s": max(per_group),
         "all_to_all_share": max(per_group) / step_time if step_time else 0.0,
         "model_flops_per_step": flops_of.training_flops_per_step(config).total,

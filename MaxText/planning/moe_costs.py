@@ -15,8 +15,11 @@ F = moe_mlp_dim, b = bytes of `dtype`.
   and receive buffers [ep, C, D + 1] and the returned outputs [ep, C, D] twice, C = T·min(k, G):
   the most one device can send another, so dropless (`dispatch_bytes`, in XLA's temporaries).
 - All-to-all: 2 per MoE layer forward and 2 backward (+2 recomputed under full remat), launches
-  and bytes per step read off the compiled programs' HLO; each moves (ep - 1) / ep of its buffer
-  over the links inside the group (`Hardware.ici_gbps`): `all_to_all_seconds`. The planner adds
+  per step read off the compiled programs' HLO, each moving one buffer, [ep, C, D + 1] or
+  [ep, C, D] in `dtype` (`all_to_all_bytes`: the pair's mean per launch; XLA:CPU carries
+  bfloat16 all-to-alls as float32, which a GPU does not, so the HLO's own bytes would double a
+  GPU plan's); (ep - 1) / ep of it crosses the links inside the group (`Hardware.ici_gbps`):
+  `all_to_all_seconds`. The planner adds
   it to the task's time (no overlap with compute: the forward/backward overlap of DualPipe-style
   schedules is a later issue), and reports its share of the step.
 """
@@ -131,6 +134,17 @@ def dispatch_bytes(config) -> float:
     t, d, k = int(tokens_per_device(config)), config.emb_dim, config.num_experts_per_tok
     cap = moe.capacity(t, k, config.num_experts // ep)
     return ep * cap * (2 * (d + 1) + 2 * d) * _bytes(config.dtype)
+
+
+def all_to_all_bytes(config) -> float:
+    """Bytes per device of one all-to-all of a MoE layer: the mean of the dispatch buffer
+    [ep, C, D + 1] and the returned one [ep, C, D] in `dtype` (they come in pairs)."""
+    from MaxText.model import moe
+
+    ep = config.mesh_expert
+    t, d, k = int(tokens_per_device(config)), config.emb_dim, config.num_experts_per_tok
+    cap = moe.capacity(t, k, config.num_experts // ep)
+    return ep * cap * (d + 0.5) * _bytes(config.dtype)
 
 
 def all_to_all_seconds(nbytes: float, ep: int, hardware: Hardware) -> float:
