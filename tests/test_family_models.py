@@ -19,7 +19,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from family_reference import cross_entropy, hf_config, random_tensors, reference_logits
+from family_reference import (
+    cross_entropy,
+    flax_logits,
+    hf_config,
+    random_tensors,
+    reference_logits,
+)
 from family_reference import write_hf_folder as write_folder
 
 from MaxText.checkpoint import manager
@@ -187,3 +193,25 @@ def test_greedy_generation_past_the_window_equals_reference(converted, family):
     assert margin >= 1e-3, margin
     assert cached == want
     assert greedy(skip=("window",))[0] != want
+
+
+def test_float64_reference_equals_the_flax_models():
+    """The reference's formulas against the two Flax models transformers 4.47.1 ships for these
+    families, at their RoPE base 10000: Mistral (Flax's mask attends W + 1 keys: equal with the
+    reference's W + 1, not with W) and Gemma 1 (Gemma 2's (1 + w) norms, embedding scale and
+    GeGLU). Within 1e-5 per element (float32 Flax against float64; logits O(1-10))."""
+    mistral = hf_config("mistral", head_dim=None, rope_theta=10000.0)
+    tensors = random_tensors(mistral, seed=51)
+    flax = flax_logits(mistral, tensors, TOKENS)
+    assert np.abs(flax).max() > 1.0
+    want = reference_logits(mistral, tensors, TOKENS, skip=("window+1",))
+    np.testing.assert_allclose(flax, want, rtol=0, atol=TOL)
+    assert np.abs(flax - reference_logits(mistral, tensors, TOKENS)).max() > 100 * TOL
+
+    gemma = hf_config("gemma")
+    tensors = random_tensors(gemma, seed=52)
+    flax = flax_logits(gemma, tensors, TOKENS)
+    assert np.abs(flax).max() > 1.0
+    np.testing.assert_allclose(flax, reference_logits(gemma, tensors, TOKENS), rtol=0, atol=TOL)
+    plain = reference_logits(gemma, tensors, TOKENS, skip=("norm_offset",))
+    assert np.abs(flax - plain).max() > 100 * TOL
