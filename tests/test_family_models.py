@@ -95,7 +95,7 @@ def test_logits_equal_float64_reference_in_every_layout(converted, family):
     for keys in (
         ["scan_layers=true"],
         ["scan_layers=false"],
-        ["scan_layers=true", "pipeline_parallelism=2"],
+        ["scan_layers=true", "pipeline_parallelism=2", "remat_policy=full"],
         ["scan_layers=false", "pipeline_parallelism=2"],
     ):
         got = our_logits(items, TOKENS, *keys)
@@ -106,7 +106,9 @@ def test_logits_equal_float64_reference_in_every_layout(converted, family):
 def test_first_training_step_loss_at_pp2_default_keys(converted, tmp_path, family):
     """One step of train.py from the converted checkpoint at pipeline_parallelism=2 with the
     default keys otherwise (scanned layers, 1f1b, checkpointing on): its loss is the
-    reference's on the same batch."""
+    reference's on the same batch. The checkpoint it saves (stage stacks on disk as one layer
+    each) reads back bitwise into the unrolled and the scanned one-stage layouts, and holds
+    trained values (not the converted ones)."""
     from MaxText.data import make_data
     from MaxText.train import main as train
 
@@ -124,6 +126,21 @@ def test_first_training_step_loss_at_pp2_default_keys(converted, tmp_path, famil
     want = cross_entropy(logits, batch["targets"], batch["targets_mask"])
     assert record["step"] == 1
     assert abs(record["loss"] - want) <= TOL, (record["loss"], want)
+
+    run = tmp_path / "ft"
+    unrolled, scanned = (
+        manager.load_params(run, abstract_params(c), c)[0]
+        for c in (load_config([BASE, f"load_parameters_path={run}", f"scan_layers={scan}"])
+                  for scan in ("false", "true"))
+    )  # fmt: skip
+    layers = [k for k in unrolled if k.startswith("layers_")]
+    for i, name in enumerate(sorted(layers, key=lambda k: int(k.split("_")[1]))):
+        for a, b in zip(jax.tree.leaves(unrolled[name]), jax.tree.leaves(scanned["layers"]),
+                        strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
+                                          np.asarray(b)[i].view(np.uint32))  # fmt: skip
+    converted_embedding = tensors["model.embed_tokens.weight"]
+    assert not np.array_equal(np.asarray(unrolled["token_embedding"]), converted_embedding)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
