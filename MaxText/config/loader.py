@@ -5,7 +5,9 @@
      (a path relative to itself);
   2. the preset `configs/models/<model_name>.yml`;
   3. with `load_parameters_path=`, the model keys saved with that checkpoint
-     (`checkpoint_keys.py`), so a converted checkpoint alone describes its model;
+     (`checkpoint_keys.py`), so a converted checkpoint alone describes its model; a `model_name`
+     the user chose (on the command line or in a YAML other than configs/base.yml) must then
+     agree with them (a disagreement is refused, naming both), not be silently overridden;
   4. the `key=value` tokens of `argv[1:]` (a key given twice with different values is refused).
 Values are parsed as YAML scalars and checked against the field's type, then against the
 constraints declared next to each field below (`key(ge=1)`, `key(choices=...)`), then against the
@@ -38,7 +40,7 @@ from typing import Any
 import yaml
 
 from jaxpp_integration.schedules import SCHEDULE_NAMES
-from MaxText.config.checkpoint_keys import checkpoint_values
+from MaxText.config.checkpoint_keys import MODEL_KEYS, checkpoint_values
 from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, NO_EFFECT, VALUE_ALIASES
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, fill_axes
 from MaxText.config.pipeline import REMAT_POLICIES, stage_layer_counts  # noqa: F401
@@ -176,11 +178,12 @@ class Config:
     max_prefill_predict_length: int = key()
     max_predict_length: int = key()
     decode_sampling_strategy: str = key(choices=("greedy", "weighted", "topk"))
-    decode_sampling_temperature: float = key()
+    decode_sampling_temperature: float = key(gt=0)
     decode_sampling_top_k: int = key(ge=1)
     # Hugging Face checkpoints
     hf_model_path: str = key()
     hf_output_path: str = key()
+    hf_overwrite: bool = key()
     hf_output_dtype: str = key(choices=("", "bfloat16", "float32", "float16"))
     hf_max_shard_mb: float = key(gt=0)
     # attention kernel and profiler (MaxText's keys)
@@ -497,6 +500,31 @@ def _find_preset(name: str, config_path: Path) -> Path:
     raise ConfigError(f"model_name={name}: no configs/models/{name}.yml; {hint}")
 
 
+def _check_preset(
+    named: tuple[Any, str],
+    below: Mapping[str, tuple[Any, str]],
+    saved: Mapping[str, Any],
+    command_line: Mapping[str, tuple[Any, str]],
+    path: str,
+) -> None:
+    """A `model_name` the user chose (command line or own YAML) must describe the model the
+    checkpoint at `path` holds: the first model key the checkpoint and the preset (with the YAML
+    below it) set differently is refused, unless the command line sets that key itself."""
+    name, where = named
+    for key in MODEL_KEYS:
+        if key not in saved or key not in below or key in command_line:
+            continue
+        have = _checked(key, _coerce(key, saved[key], f"checkpoint {path}"), KEYS[key].metadata)
+        want = _checked(key, _coerce(key, *below[key]), KEYS[key].metadata)
+        if have != want:
+            source = "on the command line" if where == "command line" else f"in {where}"
+            raise ConfigError(
+                f"model_name={name} ({source}) sets {key}={want!r} but load_parameters_path="
+                f"{path} holds a model with {key}={have!r}; leave model_name out to take the "
+                f"model from the checkpoint"
+            )
+
+
 def load_config(argv: Sequence[str]) -> Config:
     """Builds the Config from `argv = [yaml_path, "key=value", ...]` (see the module docstring)."""
     if not argv:
@@ -517,7 +545,11 @@ def load_config(argv: Sequence[str]) -> Config:
         path = str(parameters[0])
         if not Path(path).exists():
             raise ConfigError(f"load_parameters_path={path} does not exist")
-        layers.append({k: (v, f"checkpoint {path}") for k, v in checkpoint_values(path).items()})
+        saved = checkpoint_values(path)
+        named = command_line.get("model_name", layers[0].get("model_name"))
+        if named is not None and named[1] != str(CONFIGS_DIR / "base.yml"):
+            _check_preset(named, below, saved, command_line, path)
+        layers.append({k: (v, f"checkpoint {path}") for k, v in saved.items()})
     layers.append(command_line)  # 4. the command line
     values = {name: value for layer in layers for name, value in layer.items()}
 

@@ -64,7 +64,13 @@ def _family(hf: dict[str, Any], where: str):
         model_type = hf.get("model_type", "llama")
         arch = [a for a in known if family_for_architecture(a).hf.model_type == model_type][:1]
     family = family_for_architecture(arch[0]) if len(arch) == 1 else None
-    if family is None or hf.get("model_type", family.hf.model_type) != family.hf.model_type:
+    model_type = hf.get("model_type", family.hf.model_type if family else None)
+    if family is not None and model_type != family.hf.model_type:
+        raise ConfigError(
+            f"{where}: model_type={model_type!r} does not match architectures={arch!r} (model_type "
+            f"{family.hf.model_type!r}); the file is inconsistent: fix model_type or architectures"
+        )
+    if family is None:
         names = ", ".join(f"{a} (model_type {family_for_architecture(a).hf.model_type})"
                           for a in known)  # fmt: skip
         raise _refuse(where, "architectures", hf.get("architectures"), f"only {names} convert"
