@@ -16,6 +16,7 @@ import functools
 import json
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from family_reference import (
 )
 from family_reference import write_hf_folder as write_folder
 
+from MaxText import sharding
 from MaxText.checkpoint import manager
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.config.checkpoint_keys import MODEL_KEYS
@@ -79,9 +81,20 @@ def _forward(config):
 
 
 def our_logits(items: Path, tokens: np.ndarray, *keys: str) -> np.ndarray:
+    """The converted model's logits; with fsdp/tensor axes, params and activations sharded as
+    the trainer shards them (its logical-axis rules, on a mesh of the config's devices)."""
     config = load_config([BASE, f"load_parameters_path={items}", *keys])
     params, _ = manager.load_params(items, abstract_params(config), config)
-    return np.asarray(_forward(config)({"params": params}, tokens))
+    if config.mesh_fsdp * config.mesh_tensor == 1:
+        return np.asarray(_forward(config)({"params": params}, tokens))
+    mesh = sharding.make_mesh(config, jax.devices()[: config.num_devices])
+    boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), tokens)["params"]
+    specs = sharding.logical_to_specs(nn.get_partition_spec(boxed))
+    params = jax.device_put(params, sharding.named_shardings(mesh, specs))
+    with jax.set_mesh(mesh), sharding.axis_rules():  # as the trainer runs its SPMD step
+        logits = _forward(config)({"params": params}, tokens)
+    assert len(params["token_embedding"].sharding.device_set) == config.num_devices
+    return np.asarray(logits)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -96,8 +109,9 @@ def test_logits_equal_float64_reference_in_every_layout(converted, family):
         ["scan_layers=true"],
         ["scan_layers=false"],
         ["scan_layers=true", "pipeline_parallelism=2", "remat_policy=full"],
-        ["scan_layers=false", "pipeline_parallelism=2"],
-    ):
+        ["scan_layers=false", "pipeline_parallelism=2", "ici_fsdp_parallelism=2",
+         "ici_tensor_parallelism=2"],
+    ):  # fmt: skip
         got = our_logits(items, TOKENS, *keys)
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL, err_msg=" ".join(keys))
 
