@@ -42,13 +42,22 @@ from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.cluster.output_paths import check_run_paths, os_reason
 from MaxText.cluster.preemption import StoppedBeforeStart, StopRequests
 from MaxText.config import Config, load_config
+from MaxText.data.doc_packing import COUNT_KEYS
 from MaxText.errors import StorageError
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
 from MaxText.planning import flops
 from MaxText.profiling import Profiler
 from MaxText.step_clock import StepClock
-from MaxText.train_step import Trainer, build_trainer, evaluate, measured_train_step
+from MaxText.train_step import (
+    METRIC_KEYS as STEP_METRICS,
+)
+from MaxText.train_step import (
+    Trainer,
+    build_trainer,
+    evaluate,
+    measured_train_step,
+)
 
 log = logging.getLogger("MaxText")
 
@@ -126,6 +135,7 @@ class _Loop:
         self.measured_peaks: list | None = None  # written into the first logged record
         self.profiler: Profiler | None = None
         self.clock = StepClock()
+        self.example_counts: dict[str, int] = {}  # chat data: examples truncated / dropped
 
     def log_start(self) -> None:
         """The run's opening lines: data, model, mesh and compile, memory."""
@@ -184,7 +194,9 @@ class _Loop:
         pending: tuple[int, dict[str, Any]] | None = None
         stops.loop_started()
         for step in range(self.start + 1, config.steps + 1):
-            batch = trainer.put_batch(next(train_iter))
+            rows = next(train_iter)
+            self.count_examples(rows)
+            batch = trainer.put_batch(rows)
             step_kwargs = self.profiler.step_kwargs(step)  # starts the trace; engine timing
             clock.dispatching()
             if step == self.start + 1:  # peak bytes per group, measured once (program events)
@@ -219,6 +231,13 @@ class _Loop:
         gaps = clock.gap_summary()
         if gaps:
             self.logger.info(gaps)
+
+    def count_examples(self, rows: dict[str, np.ndarray]) -> None:
+        """Adds the chat/preference examples this process's rows say were cut to fit a row or
+        left out (`sft_truncation`) to the run's totals (logged from the first such count)."""
+        for key in COUNT_KEYS:
+            if key in rows:
+                self.example_counts[key] = self.example_counts.get(key, 0) + int(rows[key].sum())
 
     def finish(self, step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
         """Reads step `step`'s metrics (blocking until it has finished), checks the loss,
@@ -268,8 +287,12 @@ class _Loop:
             "learning_rate": values["learning_rate"],
             "total_weights": values["tokens"],
             "tokens": values["tokens"],
+            **{k: v for k, v in values.items() if k not in STEP_METRICS},  # DPO's rewards
             **evaluated,
         }
+        if config.use_sft or config.use_dpo:  # the tokens the loss counts: assistant / response
+            record["trained_tokens"] = values["tokens"]
+            record.update(self.example_counts)
         if self.measured_peaks is not None:
             record["peak_bytes_per_group"] = self.measured_peaks
             self.measured_peaks = None

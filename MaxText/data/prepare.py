@@ -52,7 +52,9 @@ from MaxText.data.errors import DataError, DataNotFoundError
 from MaxText.data.text import Document
 from MaxText.data.tokenizer import (
     SentencePieceTokenizer,
-    load_sentencepiece,
+    load_tokenizer,
+    tokenizer_file,
+    tokenizer_type_of,
     train_sentencepiece,
 )
 
@@ -65,7 +67,7 @@ _ENCODE_BATCH = 256
 
 
 @dataclasses.dataclass
-class _Shards:
+class Shards:
     """Writes one split's documents into numbered ArrayRecord shards."""
 
     out: pathlib.Path
@@ -79,6 +81,11 @@ class _Shards:
     _tokens: int = 0
 
     def add(self, tokens: np.ndarray) -> None:
+        le = self.dtype.newbyteorder("<")
+        self.add_record(np.asarray(tokens, self.dtype).astype(le).tobytes(), int(tokens.size))
+
+    def add_record(self, record: bytes, tokens: int) -> None:
+        """One record (a document's ids, or a chat example / preference pair: `chat.py`)."""
         from array_record.python.array_record_module import ArrayRecordWriter
 
         if self._writer is None:
@@ -87,11 +94,9 @@ class _Shards:
             # group_size:1 -> every record is its own chunk: cheap random access by index
             self._writer = ArrayRecordWriter(str(self._tmp), "group_size:1")
             self.shards.append({"file": name, "documents": 0, "tokens": 0})
-        self._writer.write(
-            np.asarray(tokens, self.dtype).astype(self.dtype.newbyteorder("<")).tobytes()
-        )
+        self._writer.write(record)
         self._docs += 1
-        self._tokens += int(tokens.size)
+        self._tokens += tokens
         if self._docs == self.shard_size:
             self.close()
 
@@ -128,7 +133,7 @@ def input_files(spec: str) -> list[pathlib.Path]:
     return sorted(files)
 
 
-def _text(raw: bytes, where: str) -> str:
+def utf8_text(raw: bytes, where: str) -> str:
     """`raw` as UTF-8 text; DataError naming `where` for other bytes (a binary or another
     encoding would otherwise be tokenized as replacement characters without a word)."""
     try:
@@ -157,7 +162,7 @@ def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Doc
                         progress.update(len(line))
                     if not line.strip():
                         continue
-                    decoded = _text(line, f"{path}:{lineno}")
+                    decoded = utf8_text(line, f"{path}:{lineno}")
                     try:
                         text = json.loads(decoded)["text"]
                     except (ValueError, KeyError, TypeError):
@@ -170,7 +175,7 @@ def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Doc
         raw = path.read_bytes()
         if progress is not None:
             progress.update(len(raw))
-        text = _text(raw, str(path)).replace("\r\n", "\n")
+        text = utf8_text(raw, str(path)).replace("\r\n", "\n")
         if path.suffix == ".md":
             text = text_lib.strip_markdown(text)
         if text.strip():
@@ -185,7 +190,7 @@ def is_eval(doc: Document, eval_fraction: float) -> bool:
     return h / 2**64 < eval_fraction
 
 
-def _progress_bar(files: Sequence[pathlib.Path], desc: str, quiet: bool):
+def progress_bar(files: Sequence[pathlib.Path], desc: str, quiet: bool):
     if quiet:
         return None
     from tqdm import tqdm
@@ -218,12 +223,17 @@ def prepare(
     if (out / MANIFEST).exists():
         raise DataError(f"--out {out_dir!r} already holds a prepared dataset; use a new folder")
 
-    if tokenizer_path:
-        tokenizer = load_sentencepiece(tokenizer_path)
-        proto = pathlib.Path(tokenizer_path).expanduser().read_bytes()
-        origin = f"file {tokenizer_path}"
+    tokenizer_name, tokenizer_type = TOKENIZER_FILE, "sentencepiece"
+    if tokenizer_path:  # a .model, a Hugging Face tokenizer.json, a folder or a checkpoint
+        source = tokenizer_file(tokenizer_path)
+        tokenizer_type = tokenizer_type_of(source)
+        tokenizer = load_tokenizer(str(source), tokenizer_type)
+        proto = source.read_bytes()
+        origin = f"file {source}"
+        if tokenizer_type == "huggingface":
+            tokenizer_name = source.name
     else:
-        bar = _progress_bar(files, "training tokenizer", quiet)
+        bar = progress_bar(files, "training tokenizer", quiet)
         failed: list[DataError] = []  # sentencepiece reads the documents in C++ and wraps errors
 
         def train_docs() -> Iterator[Document]:
@@ -243,13 +253,13 @@ def prepare(
             bar.close()
         tokenizer = SentencePieceTokenizer(proto)
         origin = f"trained, vocab_size={vocab_size}"
-    (out / TOKENIZER_FILE).write_bytes(proto)
+    (out / tokenizer_name).write_bytes(proto)
 
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
-    writers = {s: _Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
+    writers = {s: Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
     bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id >= 0 else []
     eos = [tokenizer.eos_id] if add_eos and tokenizer.eos_id >= 0 else []
-    bar = _progress_bar(files, "tokenizing", quiet)
+    bar = progress_bar(files, "tokenizing", quiet)
     pending: list[Document] = []
 
     def flush() -> None:
@@ -274,7 +284,9 @@ def prepare(
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "dtype": dtype.name,
-        "tokenizer": TOKENIZER_FILE,
+        "kind": "text",
+        "tokenizer": tokenizer_name,
+        "tokenizer_type": tokenizer_type,
         "tokenizer_sha256": hashlib.sha256(proto).hexdigest(),
         "tokenizer_origin": origin,
         "vocab_size": tokenizer.vocab_size,
@@ -298,14 +310,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m MaxText.data.prepare", description=__doc__.split("\n\n")[0]
     )
+    parser.add_argument(
+        "--format",
+        choices=("text", "chat", "preference"),
+        default="text",
+        help="text documents, chat conversations (loss mask) or preference pairs",
+    )
     parser.add_argument("--input", required=True, help="folder or glob of .txt/.md/.jsonl files")
     parser.add_argument("--out", required=True, help="new folder for shards and manifest.json")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--tokenizer_path", default="", help="an existing sentencepiece .model")
+    group.add_argument(
+        "--tokenizer_path",
+        default="",
+        help="a tokenizer file (sentencepiece .model, tokenizer.json), a folder or a checkpoint",
+    )
     group.add_argument("--vocab_size", type=int, default=1024, help="pieces of a trained tokenizer")
     parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard")
     parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--chat_template",
+        default="",
+        help="chat/preference: template if the tokenizer has none: chatml|llama3|mistral|gemma|FILE",
+    )
+    parser.add_argument(
+        "--chat_date", default="", help="chat/preference: strftime_now's date (default today)"
+    )
     for key in ("add_bos", "add_eos"):
         parser.add_argument(
             f"--{key}",
@@ -325,16 +355,38 @@ def _run(args) -> int:
         if exit_codes.exit_code_of(e) is not None:
             raise
         raise DataError(str(e)) from None
+    unit = {"text": "documents", "chat": "examples", "preference": "pairs"}[args.format]
     for split, s in m["splits"].items():
         print(
-            f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
+            f"{split}: {s['documents']:,} {unit}, {s['tokens']:,} tokens in "
             f"{len(s['shards'])} shards -> {args.out}/{split}-*.array_record"
         )
+    if args.format != "text":
+        print(
+            f"{m['trained_tokens']:,} trained tokens; template {m['chat_template_origin']} "
+            f"(sha256 {m['chat_template_sha256'][:12]}), date {m['chat_date']}"
+            + (f"; {m['identical_pairs_skipped']} identical pairs skipped"
+               if args.format == "preference" else "")
+        )  # fmt: skip
     print(f"tokenizer: {m['vocab_size']} pieces ({m['tokenizer_origin']}); {args.out}/{MANIFEST}")
     return exit_codes.OK
 
 
 def _prepare(args) -> dict:
+    if args.format != "text":
+        from MaxText.data.chat_prepare import prepare_chat
+
+        return prepare_chat(
+            args.input,
+            args.out,
+            kind=args.format,
+            tokenizer_path=args.tokenizer_path,
+            chat_template=args.chat_template,
+            chat_date=args.chat_date,
+            shard_size=args.shard_size,
+            eval_fraction=args.eval_fraction,
+            quiet=args.quiet,
+        )
     return prepare(
         args.input,
         args.out,
