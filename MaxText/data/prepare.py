@@ -331,7 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--chat_template",
         default="",
-        help="chat/preference: template if the tokenizer has none: chatml|llama3|mistral|gemma|FILE",
+        help="chat/preference: the template if the tokenizer has none (chatml, llama3, mistral, "
+        "gemma or a .jinja file)",
     )
     parser.add_argument(
         "--chat_date", default="", help="chat/preference: strftime_now's date (default today)"
