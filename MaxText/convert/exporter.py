@@ -29,7 +29,7 @@ import numpy as np
 from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import find_step_dir, saved_config
 from MaxText.config import Config, ConfigError, load_config
-from MaxText.convert import hf_config
+from MaxText.convert import hf_config, tokenizer_files
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsWriter
 from MaxText.errors import CheckpointError
@@ -155,6 +155,9 @@ def export(config: Config) -> Path:
             source = source / name
         if source.resolve() != (out / name).resolve():
             shutil.copyfile(source, out / name)
+        # its tokenizer_config.json and chat template (config.json, generation_config.json: ours)
+        skip = (name, "generation_config.json")
+        tokenizer_files.copy_tokenizer_files(source.parent, out, skip=skip)
     log.info(
         "wrote %s: %d tensors in %s (%s) from checkpoint step %d (%s)",
         out,

@@ -7,7 +7,9 @@
 config.json (`hf_config.model_keys`) as a layer between the YAML files and the command line; with
 `model_name=` on the command line they must equal that preset's instead (one line naming the first
 field that differs). A tokenizer in DIR (`tokenizer.json` -> `tokenizer_type=huggingface`, else
-`tokenizer.model` -> sentencepiece) becomes `tokenizer_path` unless one is given.
+`tokenizer.model` -> sentencepiece) becomes `tokenizer_path` unless one is given; the folder's
+tokenizer files (`tokenizer_files.py`: with tokenizer_config.json, chat_template.jinja and
+generation_config.json) are copied into `OUT/tokenizer/`, which `tokenizer_path` then names.
 
 `convert(config)` checks every tensor's presence and shape first (nothing is written for a
 checkpoint that does not fit), then streams: each tensor is read from its safetensors file when
@@ -30,7 +32,7 @@ import numpy as np
 from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import FORMAT_VERSION
 from MaxText.config import ALIASES, Config, ConfigError, load_config
-from MaxText.convert import hf_config
+from MaxText.convert import hf_config, tokenizer_files
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsError, SafetensorsReader
 
@@ -139,6 +141,19 @@ def check_tensors(reader: SafetensorsReader, tensors: Sequence[Tensor], folder: 
         )
 
 
+def _keep_tokenizer(config: Config, folder: Path, out: Path) -> Config:
+    """The folder's tokenizer files copied into the checkpoint (`tokenizer_files.py`), and the
+    config pointing at the copy; unchanged when the tokenizer is not the folder's own."""
+    source = Path(config.tokenizer_path) if config.tokenizer_path else None
+    if source is None or source.parent.absolute() != folder:
+        return config
+    target = out / tokenizer_files.FOLDER
+    if target.exists():
+        raise ConfigError(f"{target} already exists; choose another base_output_directory")
+    tokenizer_files.copy_tokenizer_files(folder, target)
+    return config.replace(tokenizer_path=str(target / source.name))
+
+
 def _nest(leaves: dict[tuple[str, ...], Any]) -> dict:
     tree: dict = {}
     for path, leaf in leaves.items():
@@ -165,8 +180,9 @@ def convert(config: Config, folder: Path) -> Path:
         return lambda: t.to_ours(reader.read(t.hf_name)).astype(dtype)
 
     leaves = {t.path: parameters.LazyLeaf(t.shape, dtype, producer(t)) for t in tensors}
-    saved = {"format": FORMAT_VERSION, **config.to_dict(), "converted_from": str(folder)}
     out = Path(config.base_output_directory).expanduser().absolute()
+    config = _keep_tokenizer(config, folder, out)
+    saved = {"format": FORMAT_VERSION, **config.to_dict(), "converted_from": str(folder)}
     items = parameters.write(out, 0, _nest(leaves), saved)
     total = sum(leaf.nbytes for leaf in leaves.values())
     log.info(

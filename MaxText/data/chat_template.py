@@ -199,8 +199,8 @@ def find_chat_template(
         return ChatTemplate(fallback_source(fallback), f"fallback {fallback}", tokens, date)
     raise DataError(
         f"the tokenizer in {folder} has no chat_template (no {TEMPLATE_FILE}, none in "
-        f"{TOKENIZER_CONFIG}); name a fallback with chat_template={'|'.join(FALLBACKS)} "
-        "(or a .jinja file)"
+        f"{TOKENIZER_CONFIG}); name a fallback, {'|'.join(FALLBACKS)} or a .jinja file "
+        "(prepare --chat_template, or chat_template= for train.py and generate)"
     )
 
 
