@@ -245,3 +245,36 @@ def test_resume_mid_epoch_is_bitwise_at_pp4(world):
     assert [r["step"] for r in first] == [1, 2, 3, 4] and [r["step"] for r in again] == [3, 4]
     assert [r["loss"] for r in again] == [r["loss"] for r in first[2:]]  # JSON floats: all bits
     assert [r["trained_tokens"] for r in again] == [r["trained_tokens"] for r in first[2:]]
+
+
+def test_changing_every_prompt_target_leaves_the_loss(world):
+    """The step's loss function (the SPMD eval step: the train step's loss, no update) on the
+    first batch and on the batch with every target outside the assistant spans replaced (prompt
+    tokens and padding): bitwise the same sums. With sft_train_on_completion_only=false (every
+    token trained) the same change moves the loss, so the change reaches the loss."""
+    import jax
+
+    from MaxText.checkpoint import manager
+    from MaxText.generate import abstract_params
+    from MaxText.model import Decoder
+    from MaxText.train_step import make_eval_step
+
+    sums, prompt = {}, None
+    for completion_only in ("true", "false"):
+        argv = sft_keys(world, f"sft_train_on_completion_only={completion_only}")
+        config = load_config(argv)
+        params, _ = manager.load_params(world["ckpt"], abstract_params(config), config)
+        step = jax.jit(make_eval_step(Decoder(config)))
+        batch = first_batch(argv)
+        if prompt is None:  # the rows are the same with either key; the masks differ
+            prompt, trained = batch["targets_mask"] == 0, batch["targets_mask"].sum()
+            assert prompt.sum() > trained > 0
+        changed = dict(batch)
+        changed["targets"] = np.where(prompt, (batch["targets"] + 7) % 300, batch["targets"])
+        sums[completion_only] = [
+            {k: np.asarray(v) for k, v in step(params, b).items()} for b in (batch, changed)
+        ]
+    (a, b), (c, d) = sums["true"], sums["false"]
+    np.testing.assert_array_equal(a["loss_sum"], b["loss_sum"])
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    assert abs(float(c["loss_sum"]) - float(d["loss_sum"])) > 1.0

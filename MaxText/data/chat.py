@@ -90,7 +90,7 @@ def _turn(role: str, value: Any, where: str, field: str) -> list[dict[str, str]]
 def chat_conversation(record: Any, where: str) -> Conversation:
     """The conversation of a chat record (see the module doc); DataError naming `where`."""
     if not isinstance(record, Mapping):
-        raise DataError(f"{where} is not a JSON object")
+        raise DataError(f"{where}: is not a JSON object")
     if "messages" in record:
         messages = _messages(record["messages"], where, "messages")
         trained = tuple(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -103,7 +103,7 @@ def chat_conversation(record: Any, where: str) -> Conversation:
         _only_assistant(completion, where, "completion")
         n = len(prompt)
         return Conversation(tuple(prompt + completion), tuple(range(n, n + len(completion))))
-    raise DataError(f"{where} has neither 'messages' nor 'prompt' and 'completion'")
+    raise DataError(f"{where}: has neither 'messages' nor 'prompt' and 'completion'")
 
 
 def _only_assistant(messages: list[dict[str, str]], where: str, field: str) -> None:
@@ -115,11 +115,11 @@ def _only_assistant(messages: list[dict[str, str]], where: str, field: str) -> N
 def preference_conversations(record: Any, where: str) -> tuple[Conversation, Conversation]:
     """(chosen, rejected) conversations of a preference record (see the module doc)."""
     if not isinstance(record, Mapping):
-        raise DataError(f"{where} is not a JSON object")
+        raise DataError(f"{where}: is not a JSON object")
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
     if missing:
         raise DataError(
-            f"{where} lacks {', '.join(repr(k) for k in missing)}; a preference pair needs "
+            f"{where}: lacks {', '.join(repr(k) for k in missing)}; a preference pair needs "
             "'prompt', 'chosen' and 'rejected'"
         )
     prompt = _turn("user", record["prompt"], where, "prompt")

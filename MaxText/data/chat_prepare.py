@@ -69,7 +69,7 @@ def _records(files: Sequence[pathlib.Path], progress):
                 except ValueError as e:
                     if isinstance(e, DataError):
                         raise
-                    raise DataError(f"{where} is not valid JSON ({e})") from None
+                    raise DataError(f"{where}: is not valid JSON ({e})") from None
 
 
 def _example(template, tokenizer, conversation, where) -> chat_lib.Example:
