@@ -39,15 +39,16 @@ import numpy as np
 from MaxText.cluster.output_paths import writable_dir
 from MaxText.data import chat as chat_lib
 from MaxText.data import chat_template as template_lib
-from MaxText.data import prepare as prepare_lib
+from MaxText.data import shards as shards_lib
 from MaxText.data.errors import DataError
+from MaxText.data.text import Document
 from MaxText.data.tokenizer import load_tokenizer, tokenizer_file, tokenizer_type_of
 
 KINDS = ("chat", "preference")
 
 
 def _input_files(spec: str) -> list[pathlib.Path]:
-    files = prepare_lib.input_files(spec)
+    files = shards_lib.input_files(spec)
     other = [f for f in files if f.suffix != ".jsonl"]
     if other:
         raise DataError(f"{other[0]}: chat and preference data are .jsonl files (one per line)")
@@ -65,7 +66,7 @@ def _records(files: Sequence[pathlib.Path], progress):
                     continue
                 where = f"{path}:{lineno}"
                 try:
-                    yield where, json.loads(prepare_lib.utf8_text(line, where))
+                    yield where, json.loads(shards_lib.utf8_text(line, where))
                 except ValueError as e:
                     if isinstance(e, DataError):
                         raise
@@ -129,18 +130,18 @@ def prepare_chat(
     tokenizer_type = tokenizer_type_of(source)
     tokenizer = load_tokenizer(str(source), tokenizer_type)
     template = template_lib.find_chat_template(source.parent, chat_template, tokenizer, date)
-    written = (prepare_lib.MANIFEST, source.name, template_lib.TEMPLATE_FILE)
+    written = (shards_lib.MANIFEST, source.name, template_lib.TEMPLATE_FILE)
     existing = [n for n in written if (out / n).exists()]
     if existing:
         raise DataError(f"--out {out_dir!r} already holds {existing[0]}; use a new folder")
 
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
-    writers = {s: prepare_lib.Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
+    writers = {s: shards_lib.Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
     counts = {"examples": 0, "tokens": 0, "trained_tokens": 0, "identical_pairs_skipped": 0}
-    bar = prepare_lib.progress_bar(files, f"preparing {kind} data", quiet)
+    bar = shards_lib.progress_bar(files, f"preparing {kind} data", quiet)
     for where, record in _records(files, bar):
-        doc = prepare_lib.Document(name=where, text="")
-        split = "eval" if prepare_lib.is_eval(doc, eval_fraction) else "train"
+        doc = Document(name=where, text="")
+        split = "eval" if shards_lib.is_eval(doc, eval_fraction) else "train"
         if kind == "chat":
             example = _example(
                 template, tokenizer, chat_lib.chat_conversation(record, where), where
@@ -172,8 +173,8 @@ def prepare_chat(
 
     name = _copy_tokenizer(source, out, template)
     manifest = {
-        "format": prepare_lib.FORMAT,
-        "version": prepare_lib.FORMAT_VERSION,
+        "format": shards_lib.FORMAT,
+        "version": shards_lib.FORMAT_VERSION,
         "kind": kind,
         "dtype": dtype.name,
         "tokenizer": name,
@@ -194,7 +195,7 @@ def prepare_chat(
         **counts,
         "splits": {s: w.summary() for s, w in writers.items() if w.shards},
     }
-    tmp = out / f".{prepare_lib.MANIFEST}.tmp"
+    tmp = out / f".{shards_lib.MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, out / prepare_lib.MANIFEST)
+    os.replace(tmp, out / shards_lib.MANIFEST)
     return manifest

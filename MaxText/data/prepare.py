@@ -34,8 +34,6 @@ is not UTF-8 text (a binary, another encoding) or a jsonl line without a string 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import glob
 import hashlib
 import json
 import os
@@ -48,7 +46,18 @@ import numpy as np
 from MaxText import exit_codes
 from MaxText.cluster.output_paths import writable_dir
 from MaxText.data import text as text_lib
-from MaxText.data.errors import DataError, DataNotFoundError
+from MaxText.data.errors import DataError
+from MaxText.data.shards import (  # noqa: F401  (MANIFEST, FORMAT: names other modules read here)
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SUFFIXES,
+    Shards,
+    input_files,
+    is_eval,
+    progress_bar,
+    utf8_text,
+)
 from MaxText.data.text import Document
 from MaxText.data.tokenizer import (
     SentencePieceTokenizer,
@@ -58,97 +67,8 @@ from MaxText.data.tokenizer import (
     train_sentencepiece,
 )
 
-MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.model"
-FORMAT = "maxtext-jaxpp-token-shards"
-FORMAT_VERSION = 1
-SUFFIXES = (".txt", ".md", ".jsonl")
 _ENCODE_BATCH = 256
-
-
-@dataclasses.dataclass
-class Shards:
-    """Writes one split's documents into numbered ArrayRecord shards."""
-
-    out: pathlib.Path
-    split: str
-    shard_size: int
-    dtype: np.dtype
-    shards: list[dict] = dataclasses.field(default_factory=list)
-    _writer: object = None
-    _tmp: pathlib.Path | None = None
-    _docs: int = 0
-    _tokens: int = 0
-
-    def add(self, tokens: np.ndarray) -> None:
-        le = self.dtype.newbyteorder("<")
-        self.add_record(np.asarray(tokens, self.dtype).astype(le).tobytes(), int(tokens.size))
-
-    def add_record(self, record: bytes, tokens: int) -> None:
-        """One record (a document's ids, or a chat example / preference pair: `chat.py`)."""
-        from array_record.python.array_record_module import ArrayRecordWriter
-
-        if self._writer is None:
-            name = f"{self.split}-{len(self.shards):05d}.array_record"
-            self._tmp = self.out / f".{name}.tmp"
-            # group_size:1 -> every record is its own chunk: cheap random access by index
-            self._writer = ArrayRecordWriter(str(self._tmp), "group_size:1")
-            self.shards.append({"file": name, "documents": 0, "tokens": 0})
-        self._writer.write(record)
-        self._docs += 1
-        self._tokens += tokens
-        if self._docs == self.shard_size:
-            self.close()
-
-    def close(self) -> None:
-        if self._writer is None:
-            return
-        self._writer.close()
-        self.shards[-1].update(documents=self._docs, tokens=self._tokens)
-        os.replace(self._tmp, self.out / self.shards[-1]["file"])
-        self._writer, self._docs, self._tokens = None, 0, 0
-
-    def summary(self) -> dict:
-        return {
-            "documents": sum(s["documents"] for s in self.shards),
-            "tokens": sum(s["tokens"] for s in self.shards),
-            "shards": self.shards,
-        }
-
-
-def input_files(spec: str) -> list[pathlib.Path]:
-    """The `.txt`/`.md`/`.jsonl` files of a folder (recursively) or a glob, sorted."""
-    path = pathlib.Path(spec).expanduser()
-    if path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES]
-    elif path.is_file():
-        files = [path]
-    else:
-        files = [pathlib.Path(p) for p in glob.glob(str(path), recursive=True)]
-        files = [p for p in files if p.is_file() and p.suffix in SUFFIXES]
-    if not files:
-        raise DataNotFoundError(
-            f"--input {spec!r} matches no .txt, .md or .jsonl file; give a folder or a glob"
-        )
-    return sorted(files)
-
-
-def utf8_text(raw: bytes, where: str) -> str:
-    """`raw` as UTF-8 text; DataError naming `where` for other bytes (a binary or another
-    encoding would otherwise be tokenized as replacement characters without a word)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert "
-            f"it to UTF-8 or leave it out of --input"
-        ) from None
-    nul = text.find("\0")
-    if nul >= 0:
-        raise DataError(
-            f"{where} looks like a binary file (NUL byte at offset {nul}); leave it out of --input"
-        )
-    return text
 
 
 def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Document]:
@@ -180,23 +100,6 @@ def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Doc
             text = text_lib.strip_markdown(text)
         if text.strip():
             yield Document(name=str(path), text=text)
-
-
-def is_eval(doc: Document, eval_fraction: float) -> bool:
-    """Whether `doc` is held out: a hash of its name below `eval_fraction` (order-independent)."""
-    if eval_fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.sha256(doc.name.encode()).digest()[:8], "little")
-    return h / 2**64 < eval_fraction
-
-
-def progress_bar(files: Sequence[pathlib.Path], desc: str, quiet: bool):
-    if quiet:
-        return None
-    from tqdm import tqdm
-
-    total = sum(p.stat().st_size for p in files)
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr)
 
 
 def prepare(
@@ -307,8 +210,10 @@ def prepare(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
-        prog="python -m MaxText.data.prepare", description=__doc__.split("\n\n")[0]
+        prog="python -m MaxText.data.prepare",
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
         "--format",
@@ -324,9 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="a tokenizer file (sentencepiece .model, tokenizer.json), a folder or a checkpoint",
     )
-    group.add_argument("--vocab_size", type=int, default=1024, help="pieces of a trained tokenizer")
-    parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard")
-    parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out")
+    group.add_argument(
+        "--vocab_size", type=int, default=1024, help="pieces of a trained tokenizer (1024)"
+    )
+    parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard (65536)")
+    parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out (0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
         "--chat_template",
@@ -345,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             metavar="true|false",
             help=f"{key.split('_')[1].upper()} around each document (MaxText's key; default true)",
         )
+    from MaxText.config import tool_help
+
+    if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: options, then the keys
+        return tool_help.show("MaxText.data.prepare", words, parser.format_help())
     args = parser.parse_args(argv)
     return exit_codes.run(lambda: _run(args))
 
