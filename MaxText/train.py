@@ -96,6 +96,8 @@ def run(
     checkpoints = Checkpoints(config, trainer)
     try:
         state = checkpoints.restore_or_init(data)
+        if config.use_dpo:  # the frozen reference: the parameters the run started from
+            trainer.train_step.set_reference(checkpoints.starting_params())
     except BaseException:
         checkpoints.close()
         raise

@@ -31,7 +31,12 @@ from jaxpp_integration.compiler.compile import compile_program
 from jaxpp_integration.compiler.reduction_plan import AutoReduction, ReductionChoice
 from jaxpp_integration.compiler.render import render_program
 from jaxpp_integration.frontend.array import MpmdArray
-from jaxpp_integration.frontend.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
+from jaxpp_integration.frontend.marker import (
+    forward_pass,
+    mark_stage_end,
+    pipeline_enter_stage,
+    pipeline_yield,
+)
 from jaxpp_integration.frontend.mesh import MpmdMesh
 from jaxpp_integration.frontend.reductions import Add, Concat, Max
 from jaxpp_integration.frontend.treduce import pipelined_tracing, treduce
@@ -81,6 +86,7 @@ __all__ = [
     "UserSchedule",
     "ZeroBubble",
     "fetch",
+    "forward_pass",
     "local_ranks",
     "mark_stage_end",
     "mpmd_jit_with_loop",
