@@ -19,49 +19,25 @@ ulps (~1e-6) per token; the mean over ~100 tokens does not grow that.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from chat_fixtures import SPECIAL, byte_level_tokenizer, tokenizer_folder
-from hf_reference import (
-    default_inv_freq,
-    llama_config,
-    random_tensors,
-    reference_logits,
-    write_hf_folder,
+from chat_world import (
+    BASE,
+    SYSTEM,
+    chat_model,
+    conversation,
+    independent_masks,
+    segments,
+    target_logprobs,
 )
 from small_model import merged
 
-from MaxText.config import CONFIGS_DIR, load_config
-from MaxText.data.chat_template import fallback_source
+from MaxText.config import load_config
 from MaxText.data.prepare import main as prepare
-from MaxText.to_maxtext import main as to_maxtext
 from MaxText.train import main as train
 
-BASE = str(CONFIGS_DIR / "base.yml")
 TOL = 1e-5
-SYSTEM = {"role": "system", "content": "Add."}
-# transformers' own span tracking: ChatML with generation tags (renders as Qwen 2.5's template
-# for conversations that begin with a system turn; asserted in `world`)
-CHATML_GENERATION = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% endif %}"
-)
-
-
-def conversation(rng) -> list[dict]:
-    a, b = (int(x) for x in rng.integers(0, 5, 2))
-    turns = [SYSTEM, {"role": "user", "content": f"What is {a} plus {b}?"}]
-    turns.append({"role": "assistant", "content": f"The answer is {a + b}."})
-    if rng.random() < 0.3:  # a second turn
-        c = int(rng.integers(0, 5))
-        turns.append({"role": "user", "content": f"And plus {c}?"})
-        turns.append({"role": "assistant", "content": f"The answer is {a + b + c}."})
-    return turns
 
 
 @pytest.fixture(scope="module")
@@ -69,63 +45,25 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     rng = np.random.default_rng(0)
     chats = [conversation(rng) for _ in range(96)]
-    text = [m["content"] for c in chats for m in c] + ["system user assistant"]
-    tok = byte_level_tokenizer(root / "tok.json", 320, corpus=[" ".join(text)] * 3)
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(tok)).get_vocab_size()
-    cfg = llama_config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
-    tensors = random_tensors(cfg, seed=5)
-    hf = write_hf_folder(root / "hf", cfg, tensors)
-    tokenizer_folder(hf, tok, "chatml", None)
-    config = json.loads((hf / "tokenizer_config.json").read_text())
-    config["eos_token"] = "<|end_of_text|>"  # generation must stop at generation_config's ids
-    (hf / "tokenizer_config.json").write_text(json.dumps(config))
-    (hf / "chat_template.jinja").write_text(fallback_source("chatml"))
-    im_end, end_of_text = SPECIAL.index("<|im_end|>"), SPECIAL.index("<|end_of_text|>")
-    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_of_text, im_end]}))
-    ckpt = root / "ckpt"
-    assert to_maxtext([BASE, f"hf_model_path={hf}", f"base_output_directory={ckpt}"]) == 0
+    model = chat_model(root, [m["content"] for c in chats for m in c] + ["system user assistant"])
+    ckpt = model["ckpt"][0]
     with open(root / "chats.jsonl", "w") as f:
         for c in chats:
             f.write(json.dumps({"messages": c}) + "\n")
     data = root / "data"
     args = ["--format", "chat", "--input", str(root / "chats.jsonl"), "--out", str(data)]
-    assert (
-        prepare([*args, "--tokenizer_path", str(ckpt), "--eval_fraction", "0.15", "--quiet"]) == 0
-    )
+    args += ["--tokenizer_path", str(ckpt), "--eval_fraction", "0.15", "--quiet"]
+    assert prepare(args) == 0
     return {
         "root": root,
-        "cfg": cfg,
-        "tensors": tensors,
+        "cfg": model["cfg"],
+        "tensors": model["tensors"][0],
         "ckpt": ckpt,
         "data": data,
         "chats": chats,
-        "hf": hf,
-        "masks": independent_masks(hf, chats),
+        "hf": model["hf"],
+        "masks": independent_masks(model["hf"], chats),
     }
-
-
-def independent_masks(hf: Path, chats) -> dict[tuple, np.ndarray]:
-    """token ids -> transformers' assistant mask, per conversation."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(hf))
-    qwen = fallback_source("chatml")
-    out = {}
-    for c in chats:
-        assert tokenizer.apply_chat_template(
-            c, tokenize=False, chat_template=qwen
-        ) == tokenizer.apply_chat_template(c, tokenize=False, chat_template=CHATML_GENERATION)
-        enc = tokenizer.apply_chat_template(
-            c,
-            tokenize=True,
-            chat_template=CHATML_GENERATION,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        out[tuple(enc["input_ids"])] = np.asarray(enc["assistant_masks"])
-    return out
 
 
 def sft_keys(world, *extra: str) -> list[str]:
@@ -157,22 +95,12 @@ def records(world, run: str) -> list[dict]:
 def reference_loss(world, batch) -> tuple[float, int]:
     """float64 loss of a batch: each example (segment) on its own, over the independently
     computed trained tokens (asserted equal to the batch's mask); (loss, trained tokens)."""
-    cfg, tensors = world["cfg"], world["tensors"]
-    inv_freq = default_inv_freq(cfg.rope_theta, cfg.hidden_size // cfg.num_attention_heads)
     total, count = 0.0, 0
-    for r in range(batch["inputs"].shape[0]):
-        seg = batch.get("inputs_segmentation", (batch["targets_mask"] > 0).astype(int))[r]
-        for s in sorted(set(seg.tolist()) - {0}):
-            where = np.flatnonzero(seg == s)
-            ids = np.concatenate([batch["inputs"][r, where], batch["targets"][r, where[-1:]]])
-            mask = world["masks"][tuple(ids.tolist())][1:]  # KeyError: not one whole example
-            np.testing.assert_array_equal(batch["targets_mask"][r, where], mask)
-            logits = reference_logits(cfg, tensors, ids[None, :-1], inv_freq)[0]
-            z = logits - logits.max(-1, keepdims=True)
-            logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-            picked = logp[np.arange(ids.size - 1), ids[1:]]
-            total -= float((picked * mask).sum())
-            count += int(mask.sum())
+    for r, where, ids in segments(batch):
+        mask = world["masks"][tuple(ids.tolist())][1:]  # KeyError: not one whole example
+        np.testing.assert_array_equal(batch["targets_mask"][r, where], mask)
+        total -= float((target_logprobs(world["cfg"], world["tensors"], ids) * mask).sum())
+        count += int(mask.sum())
     return total / count, count
 
 
