@@ -24,6 +24,11 @@ Metrics (MaxText's names): `loss` (mean over counted tokens), `raw_grad_norm` (b
 leaves), `learning_rate` (the rate this step applied), `tokens` (counted target tokens, MaxText's
 `total_weights`).
 
+With `use_dpo` the step is `dpo_step.py`'s, `(state, batch, reference) -> (state, metrics)`; the
+trainer binds the reference parameters (`ReferenceStep`), so the loop calls every step alike.
+Chat fine-tuning (`use_sft`) needs nothing here: its rows' `targets_mask` marks the assistant's
+tokens, and the loss is already the mean over the batch's counted tokens.
+
 SPMD (one pipeline group): `jax.jit` with in/out shardings from the logical-axis rules.
 Pipelined: the same function under `jaxpp.mpmd_jit_with_loop` on `MpmdMesh(mesh, "stage")`, with the
 same rules giving the PartitionSpecs over the non-stage axes, and the schedule from

@@ -26,6 +26,11 @@ with any `grain_worker_count` (grain's prefetch keeps element order whatever the
 a checkpoint also resumes with a different worker count. A different process count or data
 changes the stream; `set_state` rejects a state whose fingerprint differs.
 
+Chat and preference shards (`prepare --format chat|preference`, the manifest's `kind`) hold
+(ids, loss mask) records, or pairs of them; `Packer` packs a window of them with
+`doc_packing.pack_examples` / `pack_pairs` (masks kept, never split, pairs in adjacent rows) and
+the rows also carry `doc_packing.COUNT_KEYS` (examples cut to fit, or left out).
+
 Evaluation reads every held-out document in file order on every process (no shuffle, in the
 trainer's process), packs them the same way, and gives process p rows `[p*B/P, (p+1)*B/P)` of
 each global batch, so every process runs the same number of eval batches; the last batch is

@@ -10,7 +10,9 @@
 `config` is read by attribute: dataset_type ("text" | "synthetic" | "tfds" | "grain"),
 dataset_path, dataset_name, train_split, eval_split, tokenizer_path, vocab_size,
 max_target_length, global_batch_size, data_shuffle_seed (the example order), eval_steps,
-eval_split_fraction, packing, grain_train_files, grain_eval_files, grain_worker_count,
+eval_split_fraction, packing, grain_train_files, grain_eval_files, grain_worker_count, use_sft,
+use_dpo, sft_train_on_completion_only, sft_truncation, chat_template (chat and preference shards:
+the kind must match use_sft / use_dpo, and the run's tokenizer and template the manifest's),
 base_output_directory, and optionally process_index / process_count (default 0 / 1). B is
 global_batch_size, L max_target_length, P process_count.
 

@@ -3,6 +3,11 @@
     python -m MaxText.data.prepare --input DIR_OR_GLOB --out DIR
         [--tokenizer_path M | --vocab_size V] [--shard_size N] [--eval_fraction F]
         [--add_bos true|false] [--add_eos true|false]
+    python -m MaxText.data.prepare --format chat|preference ...   (chat_prepare.py)
+
+`--tokenizer_path` names a sentencepiece `.model`, a Hugging Face `tokenizer.json`, a folder
+holding one, or a checkpoint whose config names one (`tokenizer.tokenizer_file`); the file is
+copied into `--out` under its own name and the manifest records its type.
 
 Reads `.txt`, `.md` (markdown stripped as for dataset_type=text) and `.jsonl` (one document per
 line, field `text`) files: every such file under a folder (recursively), or the files a glob
