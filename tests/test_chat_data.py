@@ -176,3 +176,30 @@ def test_packing_keeps_masks_and_segments_and_counts_cut_examples():
     )
     assert pairs["inputs"].shape == (2, 8) and pairs["examples_dropped"].sum() == 1
     np.testing.assert_array_equal(pairs["inputs"][1, :3], [1, 2, 3])  # rejected of pair 0
+
+
+def test_text_prepare_reads_a_hugging_face_tokenizer(folders, tmp_path):
+    """--format text with --tokenizer_path naming a tokenizer.json folder: documents are its ids
+    (BOS/EOS of its tokenizer_config.json), and the grain loader reads them back with it."""
+    from MaxText.config import load_config
+    from MaxText.data import make_data
+    from MaxText.data.tokenizer import load_huggingface
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("the quick brown fox jumps over the lazy dog")
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "docs"), "--out", str(out), "--quiet"]
+    assert prepare([*args, "--tokenizer_path", str(folders["gemma"])]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["tokenizer"], manifest["tokenizer_type"]) == ("tokenizer.json", "huggingface")
+    tok = load_huggingface(str(folders["gemma"]))
+    want = [tok.bos_id, *tok.encode("the quick brown fox jumps over the lazy dog"), tok.eos_id]
+    config = load_config([
+        BASE, "dataset_type=grain", f"grain_train_files={out}/train-*", "vocab_size=512",
+        "max_target_length=32", "global_batch_size=1", "eval_interval=0", "grain_worker_count=0",
+    ])  # fmt: skip
+    data = make_data(config)
+    row = next(data.train)
+    data.close()
+    n = len(want) - 1
+    assert row["inputs"][0, :n].tolist() == want[:-1] and row["targets"][0, :n].tolist() == want[1:]
