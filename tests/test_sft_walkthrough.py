@@ -72,7 +72,9 @@ def test_fine_tuning_walkthrough_runs_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = tmp_path / "runs"
     sft = [json.loads(x) for x in (runs / "sft" / "metrics.jsonl").read_text().splitlines()]
-    assert sft[-1]["step"] == 30 and sft[-1]["eval_loss"] < sft[0]["loss"] - 2.0, sft[-1]
+    # records every log_period=10 steps; held-out assistant-token loss from ln(vocab) = 5.8 at
+    # the start to below 1.0 (the bound of tests/test_sft.py's 40-step run, reasoned there)
+    assert [r["step"] for r in sft] == [10, 20, 30] and sft[-1]["eval_loss"] < 1.0, sft[-1]
     assert all(r["trained_tokens"] == r["total_weights"] > 0 for r in sft)
     # generate prints the reply alone on a line (prepare's summary lines come before it)
     assert any(line.startswith("The answer is") for line in proc.stdout.splitlines()), proc.stdout
@@ -81,6 +83,7 @@ def test_fine_tuning_walkthrough_runs_as_written(tmp_path):
         assert (exported / name).is_file(), name
     assert (exported / "chat_template.jinja").read_text() == fallback_source("chatml")
     dpo = [json.loads(x) for x in (runs / "dpo" / "metrics.jsonl").read_text().splitlines()]
-    assert abs(dpo[0]["loss"] - math.log(2)) <= 6e-8 and abs(dpo[0]["dpo_chosen_reward"]) <= 1e-6
-    assert dpo[-1]["step"] == 10 and 0.0 <= dpo[-1]["dpo_reward_accuracy"] <= 1.0
+    assert [r["step"] for r in dpo] == [10]  # step 1's log 2: tests/test_dpo.py
+    assert math.isfinite(dpo[-1]["loss"]) and 0.0 <= dpo[-1]["dpo_reward_accuracy"] <= 1.0
+    assert "rewards chosen " in proc.stderr and " accuracy " in proc.stderr
     assert "new run dpo starts from the parameters of checkpoint step 30" in proc.stderr
