@@ -85,5 +85,6 @@ def test_fine_tuning_walkthrough_runs_as_written(tmp_path):
     dpo = [json.loads(x) for x in (runs / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in dpo] == [10]  # step 1's log 2: tests/test_dpo.py
     assert math.isfinite(dpo[-1]["loss"]) and 0.0 <= dpo[-1]["dpo_reward_accuracy"] <= 1.0
-    assert "rewards chosen " in proc.stderr and " accuracy " in proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "rewards chosen " in log and " accuracy " in log
     assert "new run dpo starts from the parameters of checkpoint step 30" in proc.stderr
