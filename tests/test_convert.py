@@ -108,10 +108,13 @@ def test_tokenizer_model_becomes_sentencepiece_and_comes_back(llama_folder, tmp_
     out = tmp_path / "ckpt"
     assert to_maxtext([BASE, f"hf_model_path={folder}", f"base_output_directory={out}"]) == 0
     config = load_config([BASE, f"load_parameters_path={out / '0' / 'items'}"])
-    assert (config.tokenizer_type, config.tokenizer_path) == (
+    assert (config.tokenizer_type, config.tokenizer_path) == (  # the checkpoint's own copy
         "sentencepiece",
-        str(folder / "tokenizer.model"),
+        str(out / "tokenizer" / "tokenizer.model"),
     )
+    assert (out / "tokenizer" / "tokenizer.model").read_bytes() == (
+        folder / "tokenizer.model"
+    ).read_bytes()
     tokenizer = load_tokenizer(config.tokenizer_path, config.tokenizer_type)
     assert tokenizer.decode(tokenizer.encode("ROMEO: good night")) == "ROMEO: good night"
     export = tmp_path / "export"
