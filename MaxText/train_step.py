@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxpp_integration as jaxpp
 from MaxText import sharding
+from MaxText.cluster import gpu_host
 from MaxText.config import Config
 from MaxText.model import Decoder, canonical_init, cross_entropy_sums, init_params
 
@@ -356,11 +357,13 @@ def pipelined_train_step(
     reduction = config.gradient_reduction
     if reduction == "auto" and device_memory_bytes:
         reduction = jaxpp.AutoReduction(device_memory_bytes=device_memory_bytes)
+    platform = mpmd_mesh.jax_mesh.devices.flat[0].platform
     return jaxpp.mpmd_jit_with_loop(
         make_train_step(
             config, model, optimizer, lr_schedule, schedule=schedule, grad_specs=specs["params"]
         ),
         mpmd_mesh=mpmd_mesh,
+        compile_threads=gpu_host.compile_threads(platform),  # a GPU host's free cores
         in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}),
         out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
         donate_argnums=(0,),

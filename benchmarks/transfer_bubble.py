@@ -95,7 +95,9 @@ def rows(links: list[float]) -> list[dict]:
                 sim = simulate(schedule, MICROBATCHES, costs, transfers=mode)
                 row[f"{mode}_bubble"] = sim.bubble
                 row[f"{mode}_step_s"] = sim.makespan
-            ideal = simulate(schedule, MICROBATCHES, Costs(fwd=fwd, bwd=2 * fwd, bwd_i=fwd, bwd_w=fwd))
+            ideal = simulate(
+                schedule, MICROBATCHES, Costs(fwd=fwd, bwd=2 * fwd, bwd_i=fwd, bwd_w=fwd)
+            )
             row["free_transfer_bubble"] = ideal.bubble
             out.append(row)
     return out
