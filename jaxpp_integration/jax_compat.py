@@ -60,6 +60,14 @@ def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
 
 
+def backends_started() -> bool:
+    """Whether this process has started a JAX backend (after which XLA_FLAGS and the GPU
+    memory variables are read no more)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
 def wait_at_barrier(name: str, timeout_s: float) -> None:
     """All processes meet at `name` through the coordination service (no device collective, so
     no gloo/NCCL context timeout while slower processes are still compiling)."""

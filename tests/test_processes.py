@@ -274,3 +274,43 @@ def test_example_scripts_give_one_pipeline_group_per_node(
         assert host == "node1" and 1024 <= int(port) < 65536 and int(port) != 12355
         again = _script_argv(tmp_path, script, launcher, {**env, "PORT": "4321"})
         assert "coordinator_address=node1:4321" in again
+
+
+def test_the_two_node_smoke_script(tmp_path):
+    """scripts/gpu_smoke_two_nodes.sbatch (fake `srun` and `scontrol`): without proxies, it
+    times a transfer between the nodes with the first node as coordinator (on a port apart
+    from the trainer's) and each task's SLURM_PROCID as its process, then trains one pipeline
+    group per node."""
+    import subprocess
+
+    calls = tmp_path / "calls.txt"
+    (tmp_path / "srun").write_text(
+        '#!/bin/bash\nprintf "%s\\n" "$@" "--" >> "$RECORD"\n'
+        'env | grep -i "_proxy=" >> "$RECORD.proxies" || true\n'
+    )
+    (tmp_path / "scontrol").write_text("#!/bin/bash\nprintf 'gpu017\\ngpu018\\n'\n")
+    for name in ("srun", "scontrol"):
+        (tmp_path / name).chmod(0o755)
+    env = {
+        **PROXIES,
+        "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+        "RECORD": str(calls),
+        "SLURM_JOB_NODELIST": "gpu[017-018]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "t",
+        "OUTPUT_DIR": str(tmp_path),
+        "LINK_GBPS": "3200",
+    }
+    root = CONFIGS_DIR.parent
+    script = root / "scripts" / "gpu_smoke_two_nodes.sbatch"
+    subprocess.run(["bash", str(script)], cwd=root, env=env, check=True)
+    assert (tmp_path / "calls.txt.proxies").read_text() == ""
+    first, second, _ = calls.read_text().split("--\n")
+    transfer = " ".join(first.splitlines()[-1].split())
+    assert transfer == (  # port 61440 + (4242 + 1) mod 4096
+        "exec python benchmarks/gpu_transfer.py --coordinator gpu017:61587 --num-processes 2 "
+        "--process-id $SLURM_PROCID --link-gbps 3200"
+    )
+    argv = second.splitlines()
+    config = load_config(argv[argv.index("train.py") + 1 :])
+    assert config.hardware == "gpu_multiprocess" and config.dcn_pipeline_parallelism == 2
