@@ -41,7 +41,7 @@ from MaxText.checkpoint import manager as checkpointing
 from MaxText.cluster import devices, xla_flags
 from MaxText.config import ALIASES, Config, ConfigError, load_config
 from MaxText.config.checkpoint_keys import MODEL_KEYS
-from MaxText.model import Decoder, init_cache
+from MaxText.model import Decoder, family_of, init_cache
 
 log = logging.getLogger("MaxText")
 
@@ -229,7 +229,7 @@ def generate(
             f"{config.max_prefill_predict_length}; shorten it or raise max_prefill_predict_length"
         )
     length = config.max_predict_length
-    if config.decoder_block == "gpt" and length > config.max_target_length:
+    if not family_of(config).rope and length > config.max_target_length:
         raise ConfigError(
             f"max_predict_length={length} exceeds the {config.max_target_length} learned positions "
             f"of decoder_block=gpt; use max_predict_length <= {config.max_target_length}"
@@ -256,6 +256,10 @@ def abstract_params(config: Config) -> Any:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point; returns the exit code (`MaxText/exit_codes.py`)."""
+    from MaxText.config import tool_help
+
+    if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: usage and keys
+        return tool_help.show("MaxText.generate", words)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)

@@ -16,7 +16,7 @@
 # port is one free on this host (run this on the first host, where process 0 runs; PORT=
 # chooses one), not a fixed number another job may hold. Every rank runs without
 # http_proxy / https_proxy: gRPC to the coordinator honours them and hangs behind a proxy.
-# See docs/cluster.md.
+# See docs/cluster.md, "Running on a GPU cluster".
 set -euo pipefail
 HOSTS="${HOSTS:?set HOSTS=node1,node2,... (one process per host)}"
 FIRST="${HOSTS%%,*}"

@@ -40,6 +40,7 @@ MODEL_KEYS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_position_embeddings",
+    "use_qk_norm",
 )
 # Taken too when the checkpoint names a tokenizer file (a converted Hugging Face checkpoint).
 TOKENIZER_KEYS = ("tokenizer_path", "tokenizer_type", "add_bos", "add_eos")

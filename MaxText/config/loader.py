@@ -53,6 +53,8 @@ ALIASES = {"pipeline_parallelism": "ici_pipeline_parallelism", **MAXTEXT_ALIASES
 ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
 DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
 DTYPES = ("float32", "bfloat16", "float16")
+# The model families (MaxText/model/registry.py holds the same names: tests/test_families.py).
+DECODER_BLOCKS = ("llama", "qwen3", "gpt")
 
 
 def key(*, choices=None, ge=None, gt=None, le=None, lt=None, minus_one="", auto=False) -> Any:
@@ -98,7 +100,7 @@ class Config:
     global_batch_size: int = key(ge=0)
     max_target_length: int = key(ge=1)
     # model
-    decoder_block: str = key(choices=("llama", "gpt"))
+    decoder_block: str = key(choices=DECODER_BLOCKS)
     num_decoder_layers: int = key(ge=1)
     emb_dim: int = key(ge=1)
     num_query_heads: int = key(ge=1)
@@ -107,6 +109,7 @@ class Config:
     mlp_dim: int = key(ge=1)
     vocab_size: int = key(ge=1)
     logits_via_embedding: bool = key()
+    use_qk_norm: bool = key()
     normalization_layer_epsilon: float = key()
     rope_max_timescale: float = key(gt=1)
     rope_type: str = key(choices=("default", "llama3.1"))

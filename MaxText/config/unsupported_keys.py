@@ -5,7 +5,7 @@ A MaxText user's command that sets one of these stops with one line,
 `config error: not supported here: <key> (<where>): <reason>`, instead of a suggestion of some
 unrelated key. A key listed here that the config later implements is simply a key (the config's
 own keys are looked up first), so this table never hides a working key; keep it in step anyway.
-README's "Coming from MaxText" section lists the same keys and reasons.
+docs/coming_from_maxtext.md, "MaxText keys not supported here", lists the same keys and reasons.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ UNSUPPORTED: dict[str, str] = {
     "sliding_window_size": "global causal attention only (no sliding window)",
     "attn_logits_soft_cap": "logit soft-capping is not implemented",
     "final_logits_soft_cap": "logit soft-capping is not implemented",
-    "use_qk_norm": "QK-norm is not implemented",
     "rope_min_timescale": "RoPE frequencies start at 1 (rope_max_timescale sets the base)",
     "fused_qkv": "separate q/k/v projections only",
     "fused_mlp": "separate mlp projections only",
@@ -183,7 +182,6 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
                 "gemma2",
                 "gemma3",
                 "qwen2",
-                "qwen3",
                 "olmo3",
                 "simple",
                 "simple_mlp",

@@ -3,7 +3,7 @@
 With T = tokens per step (global batch x max_target_length), S = max_target_length,
 E = emb_dim, M = mlp_dim, H / K = query / kv heads, D = head_dim, N = decoder layers, V = vocab:
 
-    ffn       = 2·T·E·M·n_in + 2·T·M·E      (n_in = 2 matrices for SwiGLU (llama), 1 for gpt)
+    ffn       = 2·T·E·M·n_in + 2·T·M·E      (n_in: the family's input kernels, 2 gated, 1 gpt)
     qkv       = 2·T·E·(H + 2K)·D
     out_proj  = 2·T·H·D·E
     unembed   = 2·T·E·V
@@ -27,6 +27,7 @@ import dataclasses
 
 from jaxpp_integration.tools.report import matmul_flops
 from MaxText.config import Config
+from MaxText.model import family_of
 from MaxText.planning.hardware import Peak, peak_tflops
 
 __all__ = ["Peak", "StepFlops", "matmul_flops", "mfu", "peak_tflops", "training_flops_per_step"]
@@ -49,7 +50,7 @@ def training_flops_per_step(config: Config) -> StepFlops:
     s = config.max_target_length
     e, m, v = config.emb_dim, config.mlp_dim, config.vocab_size
     h, k, d = config.num_query_heads, config.num_kv_heads, config.head_dim
-    n_in = 2 if config.decoder_block == "llama" else 1
+    n_in = family_of(config).feed_forward.input_kernels
     ffn = 2 * t * e * m * n_in + 2 * t * m * e
     qkv = 2 * t * e * (h + 2 * k) * d
     out_proj = 2 * t * h * d * e
