@@ -96,11 +96,10 @@ def prepare(
     prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=None, owners=None
 ) -> Walk:
     """Puts the program's constants on this process's groups once and turns its instructions
-    into the ops `execute` walks (see the module docstring), compiling the fill programs.
-    Several processes (`owners[r]`:
-    the process of group r): plans the batches of cross-process transfers
-    (`transfer.plan_cross_process`), which compiles their programs and allocates their receive
-    buffers; a batch runs at its first transfer."""
+    into the ops `execute` walks (see the module docstring), compiling the fill programs
+    (`fills.py`). Several processes (`owners[r]`: the process of group r): plans the batches of
+    cross-process transfers (`transfer.plan_cross_process`), which compiles their programs and
+    allocates their receive buffers; a batch runs at its first transfer."""
     local = frozenset(local_ranks)
     cross = {}
     if owners is not None and len(set(owners)) > 1:
