@@ -104,10 +104,11 @@ def rows(links: list[float]) -> list[dict]:
 
 
 def table(result_rows: list[dict], links: list[float]) -> str:
-    head = "| schedule | no transfer cost | " + " | ".join(
-        f"{g:g} Gb/s: overlapped / blocking" for g in links
-    )
-    lines = [head + " |", "|---" * (2 + len(links)) + "|"]
+    """Bubble per schedule: free transfers, then overlapped / blocking at each link speed."""
+    lines = [
+        "| schedule | free transfers | " + " | ".join(f"{g:g} Gb/s" for g in links) + " |",
+        "|---" * (2 + len(links)) + "|",
+    ]
     for name in dict.fromkeys(r["schedule"] for r in result_rows):
         mine = {r["link_gbps"]: r for r in result_rows if r["schedule"] == name}
         first = next(iter(mine.values()))
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print("bubble, overlapped / blocking transfers:")
     print(table(result_rows, links))
     print(f"wrote {args.out}")
     return 0

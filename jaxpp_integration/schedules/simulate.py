@@ -252,12 +252,13 @@ def blocking_replay(
 ) -> list[ScheduledItem]:
     """The replay when every transfer is a collective both ranks run on their compute streams,
     in the engine's dispatch order (``compiler/program.py``): the items sorted by start time in
-    the replay with the default costs and free transfers, each value sent to another rank right
-    after the item that made it. Each rank's stream runs its items and transfers in that order;
-    a transfer starts once its producer has finished and BOTH ranks have finished what comes
-    before it on their streams, and holds both for ``costs.transfer``. A sender therefore waits
+    the replay with the default costs (fwd 1, bwd 2, split halves 1) and free transfers, each
+    value sent to another rank right after the item that made it. Each rank's stream runs its
+    items and transfers in that order; a transfer starts once its producer has finished and
+    BOTH ranks have finished what comes before it on their streams, and holds both for
+    ``costs.transfer``. A sender therefore waits
     for a busy receiver, and a receiver for a late sender."""
-    order = list_schedule(per_rank, num_stages, split_backward, placement)
+    order = list_schedule(per_rank, num_stages, split_backward, placement, Costs().item_cost)
     order.sort(key=lambda x: (x.start, x.rank, x.step))
     readers: dict[Task, list[RankId]] = {}  # task -> other ranks reading its output, in order
     for row in per_rank:
