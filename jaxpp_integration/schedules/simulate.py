@@ -256,8 +256,8 @@ def blocking_replay(
     value sent to another rank right after the item that made it. Each rank's stream runs its
     items and transfers in that order; a transfer starts once its producer has finished and
     BOTH ranks have finished what comes before it on their streams, and holds both for
-    ``costs.transfer``. A sender therefore waits
-    for a busy receiver, and a receiver for a late sender."""
+    ``costs.transfer``. A sender therefore waits for a busy receiver, and a receiver for a
+    late sender."""
     order = list_schedule(per_rank, num_stages, split_backward, placement, Costs().item_cost)
     order.sort(key=lambda x: (x.start, x.rank, x.step))
     readers: dict[Task, list[RankId]] = {}  # task -> other ranks reading its output, in order
