@@ -16,6 +16,8 @@ the last step) it logs a richer line and a metrics.jsonl record; every `eval_int
 at the end it evaluates on the held-out split; a NaN or infinite loss aborts with the step number
 and the newest checkpoint on disk.
 
+`steps=0` exits 0 at once, before any device starts or anything is compiled.
+
 Exit codes (`MaxText/exit_codes.py`): config, data and path errors exit 2 with one line, before
 anything is compiled (paths: `MaxText/cluster/output_paths.py`); a NaN loss or a storage failure
 during the run exits 1 with one line; SIGTERM / SIGINT save the step in flight and exit 143 / 130
@@ -42,6 +44,7 @@ from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.cluster.output_paths import check_run_paths, os_reason
 from MaxText.cluster.preemption import StoppedBeforeStart, StopRequests
 from MaxText.config import Config, load_config
+from MaxText.config.checkpoint_keys import require_tokenizer
 from MaxText.errors import StorageError
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
@@ -142,7 +145,7 @@ class _Loop:
             info(data_info.summary())
         step_flops = self.step_flops
         info(
-            f"model: {config.model_name} ({config.decoder_block}), "
+            f"model: {model_description(config)}, "
             f"{count_params(self.state['params']):,} parameters; "
             f"{step_flops.total / 1e12:.3f} TFLOP per step "
             f"({100 * step_flops.weights / step_flops.total:.0f}% weights, "
@@ -331,6 +334,19 @@ def _stop(step: int, state: Any, data: Any, checkpoints: Checkpoints, stops: Sto
     return Stopped(f"{why}: stopped after step {step}; {where}; exit code {code}", code)
 
 
+def model_description(config: Config) -> str:
+    """The preset's name, or, for a model loaded from `load_parameters_path` (whose keys may
+    override the default preset's), its shapes."""
+    block = config.decoder_block
+    if not config.load_parameters_path:
+        return f"{config.model_name} ({block})"
+    return (
+        f"{block}, {config.num_decoder_layers} layers, emb_dim {config.emb_dim}, "
+        f"{config.num_query_heads}/{config.num_kv_heads} heads of {config.head_dim}, mlp_dim "
+        f"{config.mlp_dim}, vocab {config.vocab_size} (from load_parameters_path)"
+    )
+
+
 def _close_data(data: Any) -> None:
     close = getattr(data, "close", None)
     if close is not None:
@@ -380,6 +396,10 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
     try:
         config = load_config(argv)
         debug = config.debug_tracebacks
+        if config.steps == 0:
+            log.info("steps=0: nothing to train (set steps= to the step to train up to)")
+            return exit_codes.OK
+        require_tokenizer(config)  # from a converted checkpoint: its own tokenizer, never a new one
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
         gpu_host.check_backend(

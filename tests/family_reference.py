@@ -50,6 +50,23 @@ def hf_config(family: str, **overrides) -> dict:
     )  # fmt: skip
     per_family = {
         "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+        "mistral": dict(
+            architectures=["MistralForCausalLM"], model_type="mistral", head_dim=16,
+            sliding_window=5, rope_theta=1000000.0, transformers_version="4.42.0.dev0",
+        ),
+        "qwen2": dict(
+            architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
+            use_sliding_window=False, sliding_window=131072, max_window_layers=2,
+            rms_norm_eps=1e-6, rope_theta=1000000.0, transformers_version="4.43.1",
+        ),
+        "gemma2": dict(
+            architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_hidden_layers=3,
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=5, sliding_window_size=5,
+            attn_logit_softcapping=10.0, final_logit_softcapping=15.0, tie_word_embeddings=True,
+            hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False, cache_implementation="hybrid", rms_norm_eps=1e-6,
+            pad_token_id=0, transformers_version="4.42.0.dev0",
+        ),
         "qwen3": dict(
             architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16,
             attention_bias=False, use_sliding_window=False, sliding_window=None,
@@ -105,9 +122,10 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+def random_tensors(cfg: dict, seed: int, embed_std: float = 0.25) -> dict[str, np.ndarray]:
     """float32 weights scaled so the logits are O(1) (Hugging Face's init, std 0.02, gives logits
-    ~1e-2, where a 1e-5 tolerance would prove little). Gemma's norms store w of (1 + w)."""
+    ~1e-2, where a 1e-5 tolerance would prove little). Gemma's norms store w of (1 + w).
+    A small `embed_std` (untied head) makes the first norm's eps matter."""
     rng = np.random.default_rng(seed)
     offset = 0.0 if family_of(cfg) in GEMMA else 1.0
     out = {}
@@ -117,7 +135,7 @@ def random_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         elif name.endswith(".bias"):
             x = 0.5 * rng.standard_normal(shape)
         elif name == "model.embed_tokens.weight":  # also the head when tied: logits ~ +-5
-            x = 0.25 * rng.standard_normal(shape)
+            x = embed_std * rng.standard_normal(shape)
         else:  # [out, in]: unit-variance outputs
             x = rng.standard_normal(shape) / math.sqrt(shape[1])
         out[name] = x.astype(np.float32)
@@ -170,15 +188,17 @@ def mask(length: int, window: int) -> np.ndarray:
 
 
 def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndarray:
-    """float64 logits [B, L, V] of `cfg`'s model (see the module docstring). `skip` drops named
-    steps ("qk_norm", "softcap", ...) so a test can show each one matters."""
+    """float64 logits [B, L, V] of `cfg`'s model (see the module docstring). `skip` drops or
+    changes named steps so a test can show each one matters: "window" (none), "window+1" (W + 1
+    keys), "qk_norm", "softcap" (both caps), "bias" (Qwen 2's), "norm_offset" (Gemma's w for
+    1 + w)."""
     t = {n: a.astype(np.float64) for n, a in tensors.items()}
     family = family_of(cfg)
     gemma = family in GEMMA
-    offset = 1.0 if gemma else 0.0
+    offset = 1.0 if gemma and "norm_offset" not in skip else 0.0
     b, length = tokens.shape
     h, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
-    eps = cfg["rms_norm_eps"]
+    eps = cfg["rms_norm_eps"] if "eps" not in skip else 1e-5  # base.yml's, if unmapped
     inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d)
     angles = np.arange(length)[:, None] * inv_freq[None, :]  # [L, D/2]
     cos = np.cos(np.concatenate([angles, angles], -1))[None, :, None, :]
@@ -198,7 +218,9 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
 
         def proj(name, y, p=p):
             out = y @ t[p + f"self_attn.{name}_proj.weight"].T
-            return out + t[p + f"self_attn.{name}_proj.bias"] if family == "qwen2" else out
+            if family == "qwen2" and "bias" not in skip:
+                out = out + t[p + f"self_attn.{name}_proj.bias"]
+            return out
 
         y = norm(x, p + "input_layernorm.weight")
         q = proj("q", y).reshape(b, length, h, d)
@@ -214,6 +236,8 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
         if attn_cap:
             scores = attn_cap * np.tanh(scores / attn_cap)
         window = layer_window(cfg, i) if "window" not in skip else 0
+        if window and "window+1" in skip:  # FlashAttention-2's (and Flax Mistral's) W + 1 keys
+            window += 1
         scores = np.where(mask(length, window), scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)

@@ -31,6 +31,13 @@ def test_the_registry_and_the_config_name_the_same_families():
             assert set(family.hf.fixed) <= set(MODEL_KEYS)
 
 
+def token(value) -> str:
+    """A key's value as the command line writes it."""
+    if isinstance(value, tuple):
+        return f"[{', '.join(value)}]"
+    return str(value).lower()
+
+
 SMALL = ["num_decoder_layers=3", "emb_dim=32", "num_query_heads=4", "num_kv_heads=2",
          "head_dim=16", "mlp_dim=48", "vocab_size=64"]  # fmt: skip
 
@@ -40,7 +47,7 @@ SMALL = ["num_decoder_layers=3", "emb_dim=32", "num_query_heads=4", "num_kv_head
 def test_every_parameter_has_exactly_one_row(family, tied):
     """`tensors_for` fails on a parameter without a row; here also: names are unique, each
     layer's tensors are named with its index, and the tied head has no tensor."""
-    fixed = [f"{k}={str(v).lower()}" for k, v in FAMILIES[family].hf.fixed.items()]
+    fixed = [f"{k}={token(v)}" for k, v in FAMILIES[family].hf.fixed.items()]
     config = load_config([BASE, f"decoder_block={family}", *SMALL, *fixed,
                           f"logits_via_embedding={str(tied).lower()}"])  # fmt: skip
     tensors = tensors_for(config)
@@ -60,3 +67,21 @@ def test_preset_equals_its_published_config(preset):
     assert config.decoder_block == keys["decoder_block"]
     differ = {k: (getattr(config, k), v) for k, v in keys.items() if getattr(config, k) != v}
     assert differ == {}
+
+
+def test_planner_flops_count_local_layers_for_their_window():
+    """Gemma 2, 3 layers, S = 16, W = 4: layers 0 and 2 attend S·W − W²/2 = 56 (query, key)
+    pairs per row, layer 1 S²/2 = 128, so attention = 3 (fwd + bwd) · 4·T·H·D · 240 / S; the
+    same model without a window counts 3 · 128. The gated MLP counts two input kernels."""
+    from MaxText.planning import flops
+
+    keys = ["decoder_block=gemma2", *SMALL, "max_target_length=16", "global_batch_size=2",
+            "mlp_activations=[gelu, linear]"]  # fmt: skip
+    t, h, d, s = 2 * 16, 4, 16, 16
+    local = flops.training_flops_per_step(load_config([BASE, *keys, "sliding_window_size=4"]))
+    assert local.attention == 3 * 4 * t * h * d * (56 + 128 + 56) / s
+    plain = flops.training_flops_per_step(load_config([BASE, *keys]))
+    assert plain.attention == 3 * 4 * t * h * d * (3 * 128) / s
+    ffn = 2 * t * 32 * 48 * 2 + 2 * t * 48 * 32  # gate and up in, down out
+    qkv, out, unembed = 2 * t * 32 * (4 + 4) * 16, 2 * t * 64 * 32, 2 * t * 32 * 64
+    assert local.weights == 3 * ((ffn + qkv + out) * 3 + unembed)

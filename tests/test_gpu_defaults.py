@@ -67,12 +67,18 @@ def test_applied_only_when_a_gpu_run_is_coming(monkeypatch, caplog):
         with caplog.at_level(logging.INFO, logger="MaxText"):
             assert len(xla_flags.apply_gpu_defaults(hardware, env)) == 13
         assert env == {"XLA_FLAGS": ALL_DEFAULTS, "XLA_CLIENT_MEM_FRACTION": "0.90"}
-        assert f"XLA GPU flags: {ALL_DEFAULTS} (defaults in" in caplog.text
-    # hardware=auto on a host with GPUs and jax[cuda12]
+        # no GPU to be seen here: the device check's refusal is the only line (issue 36)
+        assert "XLA GPU flags" not in caplog.text and "GPU memory" not in caplog.text
+    # hardware=auto (and gpu) on a host with GPUs and jax[cuda12]: set and logged
     monkeypatch.setattr(gpu_host, "visible_gpu_count", lambda: 8)
     monkeypatch.setattr(gpu_host, "cuda_jaxlib_installed", lambda: True)
-    env = {}
-    assert len(xla_flags.apply_gpu_defaults("auto", env)) == 13
+    for hardware in ("auto", "gpu"):
+        env = {}
+        with caplog.at_level(logging.INFO, logger="MaxText"):
+            assert len(xla_flags.apply_gpu_defaults(hardware, env)) == 13
+        assert env == {"XLA_FLAGS": ALL_DEFAULTS, "XLA_CLIENT_MEM_FRACTION": "0.90"}
+        assert f"XLA GPU flags: {ALL_DEFAULTS} (defaults in" in caplog.text
+        caplog.clear()
     monkeypatch.setattr(gpu_host, "cuda_jaxlib_installed", lambda: False)  # CPU jaxlib: no
     assert xla_flags.apply_gpu_defaults("auto", {}) == []
 
@@ -82,9 +88,12 @@ def test_applied_only_when_a_gpu_run_is_coming(monkeypatch, caplog):
     [{}, {"XLA_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}],
     ids=["neither", "new name", "deprecated name"],
 )
-def test_the_memory_fraction_defaults_only_when_the_user_set_neither(given, caplog):
+def test_the_memory_fraction_defaults_only_when_the_user_set_neither(given, caplog, monkeypatch):
     """jaxlib 0.10.2 refuses to start with both XLA_CLIENT_MEM_FRACTION and the deprecated
-    XLA_PYTHON_CLIENT_MEM_FRACTION set: the default goes in only when neither is."""
+    XLA_PYTHON_CLIENT_MEM_FRACTION set: the default goes in only when neither is (on a host
+    with GPUs: there it is logged)."""
+    monkeypatch.setattr(gpu_host, "visible_gpu_count", lambda: 8)
+    monkeypatch.setattr(gpu_host, "cuda_jaxlib_installed", lambda: True)
     env = dict(given)
     with caplog.at_level(logging.INFO, logger="MaxText"):
         xla_flags.apply_gpu_defaults("gpu", env)
@@ -147,8 +156,9 @@ print(json.dumps({"started": started, "after": backends_started(), "code": code,
 def test_the_trainer_sets_them_before_the_backend_starts(tmp_path):
     """`hardware=gpu` on this CPU host, in a fresh process: when the trainer applies the GPU
     defaults no JAX backend exists yet (XLA reads XLA_FLAGS and the memory variables once, when
-    the first backend starts); the flags are set and logged, then the device check (a backend
-    now exists) stops the run with exit code 2."""
+    the first backend starts); the flags and the memory fraction are set (not logged: no GPU is
+    visible), then the device check (a backend now exists) stops the run with exit code 2 and
+    its one line."""
     env = {k: v for k, v in os.environ.items() if "XLA_" not in k}
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
@@ -162,9 +172,8 @@ def test_the_trainer_sets_them_before_the_backend_starts(tmp_path):
     assert got["code"] == 2
     assert got["XLA_FLAGS"] == ALL_DEFAULTS and got["fraction"] == "0.90"
     err = proc.stderr.splitlines()
-    flags_line = next(i for i, line in enumerate(err) if line.startswith("XLA GPU flags: "))
-    refused = next(i for i, line in enumerate(err) if "hardware=gpu but JAX finds no GPU" in line)
-    assert flags_line < refused
+    assert err[-1].startswith("config error: hardware=gpu but JAX finds no GPU"), err
+    assert not any("XLA GPU flags" in line for line in err)
 
 
 # ------------------------------------------------------------------------- cuDNN attention

@@ -270,6 +270,7 @@ def read_params(
 def _read_parameters_only(
     location: parameters.Location, canonical_params: Any, config: Config | None, shardings: Any
 ) -> tuple[Any, Restored]:
+    parameters.verify(location)  # damage: one line naming the file, before orbax reads it
     saved = parameters.read_config(location)
     step_dir = location.root / str(location.step)
     if saved is not None and config is not None:

@@ -6,7 +6,9 @@ XLA reads `XLA_FLAGS` once, when the first backend starts; an unknown flag abort
 `hardware=auto` on a host where `nvidia-smi` lists GPUs and jax[cuda12] is installed) and logs
 the flags in effect. A flag already in `XLA_FLAGS` keeps the user's value: set it there to
 override a default (e.g. `XLA_FLAGS=--xla_gpu_enable_triton_gemm=true`). Call it before anything
-touches a device (`train.main` does, right after loading the config).
+touches a device (`train.main` does, right after loading the config). `hardware=gpu` on a host
+where no GPU can be seen (no CUDA jaxlib, or `nvidia-smi` lists none) sets the flags without the
+log line: the device check then refuses the run, and its one line is all the user reads.
 
 The set follows MaxText's GPU recipes and NVIDIA's JAX performance notes; each flag says why it is
 here. `tests/test_gpu_defaults.py` checks that this jaxlib parses every one of them.
@@ -127,14 +129,16 @@ def apply_gpu_defaults(hardware: str, environ: MutableMapping[str, str] = os.env
         return []
     flags, added, kept = with_gpu_defaults(environ.get("XLA_FLAGS", ""))
     environ["XLA_FLAGS"] = flags
+    given = [name for name in MEM_FRACTION_VARS if environ.get(name)]
+    if not given:
+        environ["XLA_CLIENT_MEM_FRACTION"] = GPU_MEM_FRACTION
+    if hardware != "auto" and not gpu_expected("auto"):
+        return added  # no GPU to be seen here: the device check refuses the run next (one line)
     log.info(
         "XLA GPU flags: %s%s (defaults in MaxText/cluster/xla_flags.py; XLA_FLAGS overrides any)",
         " ".join(added) or "(none added)",
         f"; from XLA_FLAGS: {' '.join(kept)}" if kept else "",
     )
-    given = [name for name in MEM_FRACTION_VARS if environ.get(name)]
-    if not given:
-        environ["XLA_CLIENT_MEM_FRACTION"] = GPU_MEM_FRACTION
     name = given[0] if given else "XLA_CLIENT_MEM_FRACTION"
     log.info(
         "GPU memory JAX preallocates: %s=%s%s",

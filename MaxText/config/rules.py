@@ -87,6 +87,7 @@ def _model_shape(v: dict[str, Any]) -> None:
             f"num_query_heads={v['num_query_heads']} must be a multiple of "
             f"num_kv_heads={v['num_kv_heads']} (grouped-query attention)"
         )
+    _mlp_activations(v)
     low, high = v["rope_low_freq_factor"], v["rope_high_freq_factor"]
     if v["rope_type"] == "llama3.1" and not low < high:
         raise ConfigError(
@@ -94,8 +95,38 @@ def _model_shape(v: dict[str, Any]) -> None:
         )
 
 
+# `mlp_activations` names (MaxText's); MaxText/model/mlp.py implements the same (a test checks).
+MLP_ACTIVATIONS = ("silu", "gelu", "relu", "linear")
+# gpt's MLP is fixed (GELU with biases): base.yml's default or MaxText's gpt3 value name it.
+_GPT_ACTIVATIONS = (("silu", "linear"), ("gelu",))
+
+
+def _mlp_activations(v: dict[str, Any]) -> None:
+    acts = v["mlp_activations"]
+    if v["decoder_block"] == "gpt":
+        if acts not in _GPT_ACTIVATIONS:
+            raise ConfigError(
+                f"mlp_activations={list(acts)}: decoder_block=gpt's MLP is GELU with biases "
+                "(mlp_activations applies to the gated MLP of the other families); leave it out"
+            )
+        return
+    unknown = [a for a in acts if a not in MLP_ACTIVATIONS]
+    if len(acts) != 2 or unknown:
+        raise ConfigError(
+            f"mlp_activations={list(acts)} must be two of {' | '.join(MLP_ACTIVATIONS)} "
+            "(the gated MLP's act0(x W0) * act1(x W1); SwiGLU: [silu, linear])"
+        )
+
+
 def _attention(v: dict[str, Any]) -> None:
-    """cudnn_flash's dtype and packed rows (whether it has a GPU: `devices.setup`)."""
+    """cudnn_flash's dtype and packed rows (whether it has a GPU: `devices.setup`); the
+    jax.nn.dot_product_attention kernels cannot soft-cap."""
+    if v["attn_logits_soft_cap"] and v["attention"] in ("cudnn_flash", "autoselected"):
+        raise ConfigError(
+            f"attention={v['attention']} cannot soft-cap attention logits "
+            f"(attn_logits_soft_cap={v['attn_logits_soft_cap']}: jax.nn.dot_product_attention "
+            "has no soft cap); use attention=chunked (memory-efficient) or dot_product"
+        )
     if v["attention"] == "cudnn_flash" and v["dtype"] == "float32":
         raise ConfigError(
             "attention=cudnn_flash needs dtype=bfloat16 or float16 (cuDNN flash attention has no "

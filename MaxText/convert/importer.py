@@ -12,11 +12,13 @@ field that differs). A tokenizer in DIR (`tokenizer.json` -> `tokenizer_type=hug
 
 `convert(config)` checks every tensor's presence and shape first (nothing is written for a
 checkpoint that does not fit), then streams: each tensor is read from its safetensors file when
-orbax writes it, put into our layout by its family's table (`layout.py`), cast to `weight_dtype`
-and dropped, so memory holds one tensor at a time. Output: `OUT/0/items` + `OUT/0/config`
-(`MaxText/checkpoint/parameters.py`), loadable with `load_parameters_path=OUT/0/items` (or `OUT`)
-into any layout. The config item also keeps the source's `config.json` (and
-`generation_config.json`) as they were, which `to_huggingface` writes back.
+orbax writes it, put into our layout by its family's table (`layout.py`), cast to `weight_dtype`,
+checked finite (a NaN or infinity refuses the conversion naming the tensor, and the partial
+output is removed) and dropped, so memory holds one tensor at a time. Output: `OUT/0/items` +
+`OUT/0/config` (`MaxText/checkpoint/parameters.py`, with `checksums.json`), loadable with
+`load_parameters_path=OUT/0/items` (or `OUT`) into any layout. The config item also keeps the
+source's `config.json` (and `generation_config.json`) as they were, which `to_huggingface` writes
+back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import FORMAT_VERSION
 from MaxText.config import ALIASES, Config, ConfigError, load_config
 from MaxText.convert import hf_config
+from MaxText.convert.checks import require_finite
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsError, SafetensorsReader
 from MaxText.model import family_of
@@ -64,6 +67,8 @@ def _cli_value(argv: Sequence[str], key: str) -> str | None:
 def _token(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return f"{key}={'true' if value else 'false'}"
+    if isinstance(value, list | tuple):  # a list key: YAML's flow sequence
+        return f"{key}=[{', '.join(str(x) for x in value)}]"
     return f"{key}={value}"
 
 
@@ -73,9 +78,15 @@ def read_hf_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"hf_model_path={folder} has no config.json (not a Hugging Face folder)")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(raw).__name__}, not an object of fields; is it a Hugging "
+            f"Face {name}?"
+        )
+    return raw
 
 
 def tokenizer_keys(folder: Path) -> dict[str, str]:
@@ -168,8 +179,16 @@ def convert(config: Config, folder: Path) -> Path:
     check_tensors(reader, tensors, folder, family_of(config).hf.architecture)
     dtype = _dtype(config.weight_dtype)
 
-    def producer(t: Tensor):
-        return lambda: t.to_ours(reader.read(t.hf_name)).astype(dtype)
+    where = f"hf_model_path={folder}"
+
+    def producer(t: Tensor):  # each tensor checked finite as it streams (checks.py)
+        def produce():
+            value = t.to_ours(reader.read(t.hf_name))
+            with np.errstate(over="ignore"):  # an overflow is refused just below
+                cast = value.astype(dtype)
+            return require_finite(cast, t.hf_name, where, value)
+
+        return produce
 
     leaves = {t.path: parameters.LazyLeaf(t.shape, dtype, producer(t)) for t in tensors}
     saved = {"format": FORMAT_VERSION, **config.to_dict(), "converted_from": str(folder)}

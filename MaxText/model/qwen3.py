@@ -8,7 +8,7 @@ Refused on import: `attention_bias: true` (Qwen 3's flag adds biases to q, k, v 
 
 from __future__ import annotations
 
-from MaxText.model.family import Family, HfFormat, TensorRow
+from MaxText.model.family import Family, HfFormat, TensorRow, plain_except
 from MaxText.model.llama import LLAMA_TENSORS
 
 _LAYER = "model.layers.{i}."
@@ -28,7 +28,8 @@ FAMILY = Family(
         architecture="Qwen3ForCausalLM",
         model_type="qwen3",
         tensors=_TENSORS,
-        fixed={"use_qk_norm": True},
+        fixed=plain_except(use_qk_norm=True),
+        defaults={"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
         accepted={
             "attention_bias": ((False, None), "Qwen 3's attention_bias adds biases to q, k, v "
                                "and o, which no released checkpoint has and this model does not"),

@@ -2,8 +2,11 @@
 one attention kernel (`MaxText/model/attention.py`), the output projection; and its KV cache.
 
 What varies between families is data given to the block (`Family`, `MaxText/model/family.py`):
-which projections carry a bias, whether RoPE applies, the norm's `(1 + w)` offset; and keys:
-`use_qk_norm` (an RMSNorm over each head's D dimensions of q and of k, before RoPE: Qwen 3).
+which projections carry a bias, whether RoPE applies, the norm's `(1 + w)` offset, the layer's
+attention window (an int, or a traced int when scanned layers differ); and keys: `attention_bias`
+(q, k, v biases: Qwen 2), `use_qk_norm` (an RMSNorm over each head's D dimensions of q and of k,
+before RoPE: Qwen 3), `attn_logits_soft_cap` and `query_pre_attn_scalar` (Gemma 2), given to the
+kernel as `AttentionOptions`.
 Shape suffixes: B batch, L length, E embed, H query heads, K kv heads, D head dim, T cache slots.
 """
 
@@ -37,10 +40,17 @@ class Attention(nn.Module):
     biases: frozenset[str] = frozenset()
     rope: bool = True
     norm_scale_offset: float = 0.0  # of the q/k norms (Gemma's (1 + w))
+    windows: tuple[int, ...] = (0,)  # every window size of the model (see AttentionOptions)
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None):
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None, window=0):
         c = self.config
+        options = attention.AttentionOptions(
+            window=window,
+            soft_cap=c.attn_logits_soft_cap,
+            scale=c.query_pre_attn_scalar**-0.5 if c.query_pre_attn_scalar else None,
+            windows=self.windows,
+        )
         dtype = dtype_of(c.dtype)
         h, k = c.num_query_heads, c.num_kv_heads
         x = x_BxLxE.astype(dtype)
@@ -58,7 +68,7 @@ class Attention(nn.Module):
 
         if cache is None:
             kernel = attention.kernel_for(c.attention, c.attention_block_size)
-            ctx_BxLxHxD = kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
+            ctx_BxLxHxD = kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, options=options)
         else:
             start = (0, positions_BxL[0, 0], 0, 0)
             cache = {
@@ -66,7 +76,7 @@ class Attention(nn.Module):
                 "value": jax.lax.dynamic_update_slice(cache["value"], v_BxLxKxD, start),
             }
             ctx_BxLxHxD = attention.cached_dot_product(
-                q_BxLxHxD, cache["key"], cache["value"], positions_BxL
+                q_BxLxHxD, cache["key"], cache["value"], positions_BxL, options
             )
         ctx_BxLxHxD = checkpoint_name(ctx_BxLxHxD, "context")
         out_BxLxE = self._out(ctx_BxLxHxD)
