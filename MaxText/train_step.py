@@ -53,6 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxpp_integration as jaxpp
 from MaxText import sharding
+from MaxText.cluster import gpu_host
 from MaxText.config import Config
 from MaxText.dpo_step import DPO_METRIC_KEYS, ReferenceStep, make_dpo_train_step
 from MaxText.model import Decoder, canonical_init, cross_entropy_sums, init_params
@@ -391,9 +392,11 @@ def pipelined_train_step(
     if reduction == "auto" and device_memory_bytes:
         reduction = jaxpp.AutoReduction(device_memory_bytes=device_memory_bytes)
     reference = (specs["params"],) if config.use_dpo else ()
+    platform = mpmd_mesh.jax_mesh.devices.flat[0].platform
     return jaxpp.mpmd_jit_with_loop(
         step_function(config, model, optimizer, lr_schedule, schedule, specs["params"]),
         mpmd_mesh=mpmd_mesh,
+        compile_threads=gpu_host.compile_threads(platform),  # a GPU host's free cores
         in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}, *reference),
         out_specs=(specs, {k: PartitionSpec() for k in metric_keys(config)}),
         donate_argnums=(0,),
