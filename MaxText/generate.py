@@ -66,6 +66,7 @@ SAVED_KEYS = (
     "grain_train_files",
     "grain_eval_files",
     "eval_split_fraction",
+    "chat_template",
 )
 # Generation runs on one device: these keys are forced, whatever the command line says.
 ONE_DEVICE = {
@@ -182,6 +183,7 @@ def sample_tokens(
     banned: Sequence[int] = (),
     eos_id: int = -1,
     kv_cache: bool = True,
+    eos_ids: Sequence[int] = (),
 ) -> list[int]:
     """The ids generated after `prompt_ids`, up to `max_predict_length` tokens in all or EOS.
 
@@ -191,6 +193,7 @@ def sample_tokens(
     buffer (the reference loop; attention is causal, so the unused tail does not change the
     logits at the current position). Both sample token t with `fold_in(key(seed), t)`."""
     full_step, prefill, decode = decoding_programs(config, vocab_limit, tuple(banned))
+    stop = {int(eos_id), *(int(i) for i in eos_ids)} - {-1}  # any of them ends the reply
     key = jax.random.key(config.seed)
     length = config.max_predict_length
     t = len(prompt_ids)
@@ -200,7 +203,7 @@ def sample_tokens(
         tokens[0, :t] = prompt_ids
         while t < length:
             token = int(full_step(params, tokens, t, jax.random.fold_in(key, t)))
-            if token == eos_id:
+            if token in stop:
                 break
             tokens[0, t] = token
             out.append(token)
@@ -212,7 +215,7 @@ def sample_tokens(
     token, cache = prefill(params, prompt, t, jax.random.fold_in(key, t))
     while t < length:
         token = int(token)
-        if token == eos_id:
+        if token in stop:
             break
         out.append(token)
         t += 1
@@ -273,6 +276,37 @@ def generate(
     return tokenizer.decode([int(i) for i in [*prompt_ids[len(bos) :], *new]])
 
 
+def chat_reply(config: Config, params: Any, tokenizer: Any, kv_cache: bool = True) -> str:
+    """The assistant's reply to `chat_prompt_file`'s messages, rendered with the checkpoint's
+    chat template and its generation prompt (`MaxText/data/chat_template.py`); sampling stops at
+    any `eos_token_id` of the checkpoint's generation_config.json (or the tokenizer's EOS)."""
+    from MaxText.data import chat_files
+
+    folder = chat_files.tokenizer_folder(config)
+    messages = chat_files.read_prompt_messages(config.chat_prompt_file)
+    template = chat_files.run_template(config, folder, tokenizer)
+    text = template.render(messages, add_generation_prompt=True)
+    prompt_ids = list(tokenizer.encode(text))
+    if len(prompt_ids) > config.max_prefill_predict_length:
+        raise ConfigError(
+            f"the rendered chat prompt is {len(prompt_ids)} tokens but max_prefill_predict_length="
+            f"{config.max_prefill_predict_length}; shorten it or raise max_prefill_predict_length"
+        )
+    eos_ids = chat_files.generation_eos_ids(folder)
+    banned = [i for i in (tokenizer.pad_id, tokenizer.bos_id) if i >= 0 and i not in eos_ids]
+    new = sample_tokens(
+        config,
+        params,
+        prompt_ids,
+        vocab_limit=min(tokenizer.vocab_size, config.vocab_size),
+        banned=banned,
+        eos_id=tokenizer.eos_id,
+        eos_ids=eos_ids,
+        kv_cache=kv_cache,
+    )
+    return tokenizer.decode([int(i) for i in new])
+
+
 def abstract_params(config: Config) -> Any:
     model = Decoder(config)
     tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
@@ -309,7 +343,10 @@ def _generate(argv: Sequence[str]) -> int:
         config, _ = devices.start(config)
         params, restored = checkpointing.load_params(source, abstract_params(config), config)
         params = jax.device_put(params, jax.devices()[0])
-        text = generate(config, params, tokenizer, config.prompt)
+        if config.use_chat_template:
+            text = chat_reply(config, params, tokenizer)
+        else:
+            text = generate(config, params, tokenizer, config.prompt)
     except ValueError as e:  # e.g. a prompt the tokenizer cannot encode
         if exit_codes.exit_code_of(e) is not None:
             raise  # config, data and path errors: their own line (exit_codes.run)

@@ -95,23 +95,28 @@ def test_a_tensor_of_the_wrong_shape_is_refused(llama_folder, tmp_path, capsys):
     )
 
 
-def test_tokenizer_model_becomes_sentencepiece_and_comes_back(llama_folder, tmp_path):
+def test_tokenizer_model_becomes_sentencepiece_and_comes_back(tmp_path):
     """A folder with tokenizer.model (Llama 2, Mistral, Gemma): the checkpoint records it as
     tokenizer_type=sentencepiece, load_parameters_path alone brings it back (it loads and
     encodes), and the export copies the same bytes."""
     from MaxText.data.text import load_corpus
     from MaxText.data.tokenizer import load_tokenizer, train_sentencepiece
 
-    _, cfg, tensors = llama_folder
-    folder = write_hf_folder(tmp_path / "hf", cfg, tensors)
+    # a model whose vocabulary holds the tokenizer's 400 ids (to_maxtext refuses a tokenizer
+    # with more ids than vocab_size: tests/test_bad_input.py)
+    cfg = hf_config("llama", num_hidden_layers=1, vocab_size=400)
+    folder = write_hf_folder(tmp_path / "hf", cfg, random_tensors(cfg, seed=5))
     (folder / "tokenizer.model").write_bytes(train_sentencepiece(load_corpus("")[:1], 400))
     out = tmp_path / "ckpt"
     assert to_maxtext([BASE, f"hf_model_path={folder}", f"base_output_directory={out}"]) == 0
     config = load_config([BASE, f"load_parameters_path={out / '0' / 'items'}"])
-    assert (config.tokenizer_type, config.tokenizer_path) == (
+    assert (config.tokenizer_type, config.tokenizer_path) == (  # the checkpoint's own copy
         "sentencepiece",
-        str(folder / "tokenizer.model"),
+        str(out / "tokenizer" / "tokenizer.model"),
     )
+    assert (out / "tokenizer" / "tokenizer.model").read_bytes() == (
+        folder / "tokenizer.model"
+    ).read_bytes()
     tokenizer = load_tokenizer(config.tokenizer_path, config.tokenizer_type)
     assert tokenizer.decode(tokenizer.encode("ROMEO: good night")) == "ROMEO: good night"
     export = tmp_path / "export"

@@ -80,7 +80,7 @@ CASES = {
         ["hf_model_path", "steps"],
     ),
     "MaxText.data.prepare": (
-        "usage: python -m MaxText.data.prepare [-h] --input INPUT --out OUT",
+        "usage: python -m MaxText.data.prepare [-h] [--format {text,chat,preference}]",
         ["--vocab_size VOCAB_SIZE", "--add_bos true|false", "--shard_size"],
         ["dataset_type", "grain_train_files", "packing"],
         ["steps"],
@@ -147,6 +147,7 @@ def test_a_word_keeps_only_the_keys_whose_name_or_doc_contains_it(capsys):
         "tokenizer_type",
         "add_bos",
         "add_eos",
+        "chat_template",  # "the tokenizer folder's chat_template.jinja ..."
     ]
     assert _main("MaxText.generate")(["--help", "no-such-word"]) == 0
     assert capsys.readouterr().out.endswith("no config key it reads matches 'no-such-word'\n")

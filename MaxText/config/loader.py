@@ -182,6 +182,14 @@ class Config:
     grain_eval_files: str = key()
     grain_worker_count: int = key(ge=0)
     # ---- end of data
+    # post-training (MaxText's keys; chat_template and sft_truncation are ours)
+    use_sft: bool = key()
+    sft_train_on_completion_only: bool = key()
+    sft_truncation: str = key(choices=("right", "drop"))
+    chat_template: str = key()
+    use_dpo: bool = key()
+    dpo_beta: float = key(gt=0)
+    dpo_label_smoothing: float = key(ge=0, lt=0.5)
     # generation
     prompt: str = key()
     max_prefill_predict_length: int = key()
@@ -189,6 +197,8 @@ class Config:
     decode_sampling_strategy: str = key(choices=("greedy", "weighted", "topk"))
     decode_sampling_temperature: float = key(gt=0)
     decode_sampling_top_k: int = key(ge=1)
+    use_chat_template: bool = key()
+    chat_prompt_file: str = key()
     # Hugging Face checkpoints
     hf_model_path: str = key()
     hf_output_path: str = key()

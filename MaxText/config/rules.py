@@ -40,6 +40,7 @@ def derive(v: dict[str, Any]) -> None:
     _model_shape(v)
     _experts(v)
     _data(v)
+    _post_training(v)
     _attention(v)
     auto_defaults(v)
     filled_axis({k: v[k] for k in PARALLELISM_KEYS})
@@ -47,6 +48,7 @@ def derive(v: dict[str, Any]) -> None:
     if not (processes_pending(v) or axes_pending(v)):
         derive_mesh(v)
         derive_pipeline(v)
+        _dpo_pairs(v)
 
     if v["learning_rate_schedule_steps"] == -1:
         v["learning_rate_schedule_steps"] = v["steps"]
@@ -110,6 +112,11 @@ def _experts(v: dict[str, Any]) -> None:
         raise ConfigError(
             f"num_experts={experts} needs a mixture-of-experts block: decoder_block="
             f"{' or '.join(MOE_BLOCKS)} (decoder_block={block} has one dense MLP per layer)"
+        )
+    if experts > 1 and v["use_dpo"]:
+        raise ConfigError(
+            "use_dpo with a mixture of experts (num_experts > 1) is not implemented: the DPO "
+            "step has no load-balancing loss; fine-tune MoE models with use_sft or plain training"
         )
     if experts > 1 and k > experts:
         raise ConfigError(
@@ -185,4 +192,32 @@ def _data(v: dict[str, Any]) -> None:
         raise ConfigError(
             f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
             "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )
+
+
+def _post_training(v: dict[str, Any]) -> None:
+    """use_sft / use_dpo read prepared chat / preference shards (`prepare --format ...`)."""
+    if v["use_sft"] and v["use_dpo"]:
+        raise ConfigError("use_sft=true and use_dpo=true: choose one (DPO data has its own format)")
+    for key, fmt in (("use_sft", "chat"), ("use_dpo", "preference")):
+        if v[key] and v["dataset_type"] != "grain":
+            raise ConfigError(
+                f"{key}=true reads shards of python -m MaxText.data.prepare --format {fmt}: set "
+                f"dataset_type=grain and grain_train_files= (dataset_type={v['dataset_type']})"
+            )
+    if v["use_chat_template"] and not v["chat_prompt_file"]:
+        raise ConfigError(
+            "use_chat_template=true needs chat_prompt_file= (a JSON file of messages: "
+            '[{"role": "user", "content": "..."}])'
+        )
+
+
+def _dpo_pairs(v: dict[str, Any]) -> None:
+    """A preference pair's two rows (2k, 2k + 1) must fall into one microbatch."""
+    if v["use_dpo"] and v["microbatch_size"] % 2:
+        raise ConfigError(
+            f"use_dpo=true needs an even microbatch size (a pair's chosen and rejected rows share "
+            f"a microbatch), but global_batch_size={v['global_batch_size']} / "
+            f"{v['num_pipeline_microbatches']} microbatches = {v['microbatch_size']}; use an even "
+            "global_batch_size / num_pipeline_microbatches"
         )

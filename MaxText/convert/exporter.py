@@ -40,7 +40,7 @@ from MaxText.checkpoint.integrity import check_before_reading
 from MaxText.checkpoint.manager import find_step_dir, saved_config
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.config.checkpoint_keys import saved_config as saved_config_of
-from MaxText.convert import hf_config
+from MaxText.convert import hf_config, tokenizer_files
 from MaxText.convert.checks import load_checked_tokenizer, require_finite
 from MaxText.convert.importer import SOURCE_CONFIG, SOURCE_GENERATION_CONFIG
 from MaxText.convert.layout import Tensor, tensors_for
@@ -223,4 +223,7 @@ def write(plan: ExportPlan, folder: Path) -> list[str]:
         if tokenizer_file.is_dir():
             tokenizer_file = tokenizer_file / name
         shutil.copyfile(tokenizer_file, folder / name)
+        # its tokenizer_config.json and chat template (config.json, generation_config.json: ours)
+        skip = (name, "generation_config.json")
+        tokenizer_files.copy_tokenizer_files(tokenizer_file.parent, folder, skip=skip)
     return files

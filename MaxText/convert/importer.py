@@ -8,7 +8,9 @@
 config.json (`hf_config.model_keys`) as a layer between the YAML files and the command line; with
 `model_name=` on the command line they must equal that preset's instead (one line naming the first
 field that differs). A tokenizer in DIR (`tokenizer.json` -> `tokenizer_type=huggingface`, else
-`tokenizer.model` -> sentencepiece) becomes `tokenizer_path` unless one is given.
+`tokenizer.model` -> sentencepiece) becomes `tokenizer_path` unless one is given; the folder's
+tokenizer files (`tokenizer_files.py`: with tokenizer_config.json, chat_template.jinja and
+generation_config.json) are copied into `OUT/tokenizer/`, which `tokenizer_path` then names.
 
 `convert(config)` checks every tensor's presence and shape first (nothing is written for a
 checkpoint that does not fit), then streams: each tensor is read from its safetensors file when
@@ -36,7 +38,7 @@ import numpy as np
 from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import FORMAT_VERSION
 from MaxText.config import ALIASES, Config, ConfigError, load_config
-from MaxText.convert import hf_config
+from MaxText.convert import hf_config, tokenizer_files
 from MaxText.convert.checks import require_finite
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsError, SafetensorsReader
@@ -161,6 +163,15 @@ def check_tensors(
         )
 
 
+def _tokenizer_copy(config: Config, folder: Path, out: Path) -> Path | None:
+    """Where the folder's own tokenizer goes in the checkpoint (`OUT/tokenizer/`, with the other
+    `tokenizer_files.TOKENIZER_FILES`), None when the tokenizer is not the folder's."""
+    source = Path(config.tokenizer_path) if config.tokenizer_path else None
+    if source is None or source.parent.absolute() != folder:
+        return None
+    return out / tokenizer_files.FOLDER / source.name
+
+
 def _nest(leaves: dict[tuple[str, ...], Any]) -> dict:
     tree: dict = {}
     for path, leaf in leaves.items():
@@ -202,12 +213,17 @@ def convert(config: Config, folder: Path) -> Path:
         return stacked
 
     leaves = {t.path: parameters.LazyLeaf(t.shape, dtype, producer(t)) for t in tensors}
+    out = Path(config.base_output_directory).expanduser().absolute()
+    tokenizer_copy = _tokenizer_copy(config, folder, out)
+    if tokenizer_copy is not None:  # the checkpoint names its own copy (made after the weights)
+        config = config.replace(tokenizer_path=str(tokenizer_copy))
     saved = {"format": FORMAT_VERSION, **config.to_dict(), "converted_from": str(folder)}
     saved[SOURCE_CONFIG] = read_hf_config(folder)
     if (folder / "generation_config.json").is_file():
         saved[SOURCE_GENERATION_CONFIG] = read_hf_config(folder, "generation_config.json")
-    out = Path(config.base_output_directory).expanduser().absolute()
     items = parameters.write(out, 0, _nest(leaves), saved)
+    if tokenizer_copy is not None:
+        tokenizer_files.copy_tokenizer_files(folder, tokenizer_copy.parent)
     total = sum(leaf.nbytes for leaf in leaves.values())
     log.info(
         "wrote %s: %d tensors, %.3f GB in %s; train with load_parameters_path=%s",
