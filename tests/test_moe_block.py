@@ -320,7 +320,7 @@ def test_dropless_when_every_token_picks_one_device(case):
          "512 experts per device exceeds 256, the largest expert id dtype=bfloat16 carries"),
         (["dcn_expert_parallelism=2"], "not supported here: dcn_expert_parallelism"),
         (["capacity_factor=1.25"], "MoE layers are dropless"),
-        (["use_dpo=true"], "use_dpo with a mixture of experts (num_experts > 1) is not implemented"),
+        (["use_dpo=true"], "use_dpo with a mixture of experts (num_experts > 1) is not"),
     ],
 )  # fmt: skip
 def test_moe_config_errors_are_one_line(keys, message):
