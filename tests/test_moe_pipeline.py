@@ -179,6 +179,12 @@ def test_all_to_alls_and_reductions_per_task(trainers):
     assert by_axis["launches"] >= stats + 2
     choice = compiled.reduction_choice
     assert (choice.deferred_axes, choice.scattered_axes) == (("data", "expert"), ())
+    from MaxText.planning import cost_model
+    from MaxText.planning.hardware import cpu_hardware
+
+    plan = cost_model.plan_compiled(config, cpu_hardware(8), compiled, trainer.abstract_state)
+    for g in plan.groups:  # the partials hold one expert shard each, not every expert
+        assert g.params_bytes <= g.grad_bytes <= g.params_bytes + 64, g
 
 
 def test_expert_weights_live_on_their_expert_shard(trainers):

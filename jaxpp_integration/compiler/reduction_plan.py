@@ -16,7 +16,8 @@ split over the batch axes of a group (`data`, `fsdp`; `dcn_*` axes share those n
   Only axes the gradient really is a sum over count: an expert weight sharded over `expert`
   has a whole gradient on its device (its rows arrived by all-to-all inside the MoE block), so
   over `expert` it is neither reduced nor scattered, while weights replicated over `expert`
-  (attention, router, norms, embeddings) are deferred over it like over `data`.
+  (attention, router, norms, embeddings) are deferred over it like over `data`; its partial
+  over `data` keeps the expert split ([D, ..., E / ep, ...] per device, not every expert).
   They fit when the step's inputs (parameters, optimizer state, batch) plus the full-size
   partials, per device and averaged over the groups, take at most `AUTO_MEMORY_FRACTION` of the
   device memory (the rest is left to activations and temporaries). The memory is
@@ -173,6 +174,13 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
             inner = _entries(partners[j], len(got.body.out_avals[j].shape) - 1)
             deferred.append(PartitionSpec(axes, *inner))
             reduce_specs.append(partners[j])
+        elif axes and _split_rows(partners[j], axes, row_axes):
+            # a weight split over an axis that splits rows but is not summed over it (an expert
+            # weight over `expert`): its partial keeps that split, [D, ..., E / ep, ...]
+            ndim = len(got.body.out_avals[j].shape) - 1
+            inner = [_only(e, set(row_axes) - set(axes)) for e in _entries(partners[j], ndim)]
+            deferred.append(PartitionSpec(axes, *inner))
+            reduce_specs.append(partners[j])
         else:
             deferred.append(axes)
             uses = axes and partners[j] is not None and set(axes) & _names_of(partners[j])
@@ -273,6 +281,17 @@ def _ordered(entry) -> tuple:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _split_rows(spec, partial: tuple, row_axes: tuple) -> bool:
+    """`spec` splits a dimension over an axis that splits rows without being summed over."""
+    return spec is not None and bool(_names_of(spec) & (set(row_axes) - set(partial)))
+
+
+def _only(entry, axes: set):
+    """A spec entry keeping only `axes`."""
+    kept = tuple(a for a in _ordered(entry) if a in axes)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 def _names_of(spec) -> set:
