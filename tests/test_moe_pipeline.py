@@ -157,7 +157,9 @@ def test_all_to_alls_and_reductions_per_task(trainers):
     layer and no reduction (the stage input's gradient is required: stage 0 feeds the
     embedding). No gradient is reduced inside the loop: the weights replicated over data and
     expert (attention, router, norms, embedding) and the expert weights over data are reduced
-    once per step, one all-reduce over data+expert per stage in its `reduce_` task."""
+    once per step in each stage's `reduce_` task (one all-reduce over data+expert per stage). The
+    expert weights' partial sums keep their expert split: each group's gradient accumulators take
+    its parameters' bytes per device (plus the loss sums' scalars), not every expert's."""
     config, trainer = trainers(*PP2_EP2_DATA2)
     compiled = trainer.train_step
     counts = program_collectives(compiled)
