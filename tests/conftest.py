@@ -55,6 +55,7 @@ def no_compilation_cache(monkeypatch):
 # xdist the figures travel to the controller in the report's user_properties.
 _CPU_MARK = pytest.StashKey[float]()
 _FILE_TIMES: dict[str, list[float]] = {}  # path -> [wall s, cpu s, tests]
+_TEST_TIMES: dict[str, list[float]] = {}  # node id -> [wall s, cpu s]
 
 
 def _cpu_seconds() -> float:
@@ -86,16 +87,20 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logreport(report):
     """Sums wall and CPU time of setup, call and teardown per test file (with xdist: on the
     controller)."""
-    path = report.nodeid.split("::", 1)[0]
-    row = _FILE_TIMES.setdefault(path, [0.0, 0.0, 0])
+    cpu = dict(report.user_properties).get("cpu_s", 0.0)
+    row = _FILE_TIMES.setdefault(report.nodeid.split("::", 1)[0], [0.0, 0.0, 0])
     row[0] += report.duration
-    row[1] += dict(report.user_properties).get("cpu_s", 0.0)
+    row[1] += cpu
     row[2] += report.when == "call"
+    test = _TEST_TIMES.setdefault(report.nodeid, [0.0, 0.0])
+    test[0] += report.duration
+    test[1] += cpu
 
 
 def pytest_terminal_summary(terminalreporter):
     """Every test file's summed wall and CPU time, slowest first (the CI budget is 20 minutes for
-    the whole clean-clone run, `.ci/run`); with PYTEST_FILE_TIMES=<path>, also as JSON there."""
+    the whole clean-clone run, `.ci/run`); with PYTEST_FILE_TIMES=<path>, also as JSON there
+    ({"files": {path: {wall_s, cpu_s, tests}}, "tests": {node id: {wall_s, cpu_s}}})."""
     if not _FILE_TIMES:
         return
     rows = sorted(_FILE_TIMES.items(), key=lambda kv: -kv[1][0])
@@ -109,6 +114,9 @@ def pytest_terminal_summary(terminalreporter):
     if target:
         import json
 
-        table = {p: {"wall_s": w, "cpu_s": c, "tests": n} for p, (w, c, n) in rows}
+        table = {
+            "files": {p: {"wall_s": w, "cpu_s": c, "tests": n} for p, (w, c, n) in rows},
+            "tests": {k: {"wall_s": w, "cpu_s": c} for k, (w, c) in _TEST_TIMES.items()},
+        }
         with open(target, "w") as f:
             json.dump(table, f, indent=1)
