@@ -92,6 +92,11 @@ def _paths(tmp: Path) -> dict:
             [f"base_output_directory={tmp}", "metrics_file=/proc/m.jsonl"],
             "path error: metrics_file=/proc/m.jsonl: cannot write in /proc (",
         ),
+        "jax_cache_under_proc": (
+            [f"base_output_directory={tmp}", "jax_cache_dir=/proc/nope/cache"],
+            "path error: jax_cache_dir=/proc/nope/cache: cannot create folder /proc/nope/cache "
+            "(No such file or directory, ENOENT); use a folder you can write to",
+        ),
         "load_parameters_file": (
             [f"base_output_directory={tmp}", f"load_parameters_path={afile}"],
             f"path error: load_parameters_path={afile}: {afile} is a file; give a run folder, "
@@ -101,7 +106,8 @@ def _paths(tmp: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "case", ["under_proc", "a_file", "metrics_under_proc", "load_parameters_file"]
+    "case",
+    ["under_proc", "a_file", "metrics_under_proc", "jax_cache_under_proc", "load_parameters_file"],
 )
 def test_train_path_errors_exit_2_before_compiling(tmp_path, capsys, no_compile, case):
     overrides, want = _paths(tmp_path)[case]
@@ -109,17 +115,24 @@ def test_train_path_errors_exit_2_before_compiling(tmp_path, capsys, no_compile,
     assert _one_line(capsys).startswith(want)
 
 
-@pytest.mark.parametrize("where", ["output", "checkpoints"])
+@pytest.mark.parametrize("where", ["output", "checkpoints", "tensorboard", "jax_cache_dir"])
 def test_train_read_only_folders_exit_2_before_compiling(tmp_path, capsys, no_compile, where):
-    """A read-only output folder, or a read-only checkpoints/ inside a writable one (before, it
-    was found at the first save, after the steps were spent)."""
-    target = tmp_path / "out" if where == "output" else tmp_path / "out" / "run" / "checkpoints"
+    """A read-only output folder, or a read-only folder the run writes inside a writable one:
+    checkpoints/ and tensorboard/ (before, found at the first save or event), `jax_cache_dir`
+    (found when the first compiled program is written)."""
+    run = tmp_path / "out" / "run"
+    target = {"output": tmp_path / "out", "jax_cache_dir": tmp_path / "cache"}.get(
+        where, run / where
+    )
+    argv = [*BASE, f"base_output_directory={tmp_path / 'out'}", "run_name=run"]
+    argv += ["enable_tensorboard=true", f"jax_cache_dir={tmp_path / 'cache'}"]
     with readonly(target):
-        code = train_lib.main([*BASE, f"base_output_directory={tmp_path / 'out'}", "run_name=run"])
+        code = train_lib.main(argv)
         line = _one_line(capsys)
     assert code == 2
-    folder = tmp_path / "out" / "run" / ("checkpoints" if where == "checkpoints" else "")
-    assert line.startswith(f"path error: base_output_directory={folder}".rstrip("/")), line
+    key = "jax_cache_dir" if where == "jax_cache_dir" else "base_output_directory"
+    shown = {"output": run, "jax_cache_dir": target}.get(where, target)
+    assert line.startswith(f"path error: {key}={shown}: "), line
     assert "Read-only file system, EROFS" in line or "Permission denied, EACCES" in line
 
 
