@@ -15,14 +15,24 @@ import pytest  # noqa: E402
 def session_compilation_cache(tmp_path_factory):
     """One JAX compilation cache for the whole session, so that the many tests compiling the same
     small model's programs compile each once (for the trainer's subprocesses too, through JAX's
-    own JAX_COMPILATION_CACHE_DIR; only process 0 of a multi-process run writes). Executables
+    own JAX_COMPILATION_CACHE_DIR; only process 0 of a multi-process run writes), and for every
+    xdist worker alike (the workers' temporary folders share a parent; entries are written whole,
+    `atomic_persistent_cache_writes`, so a worker never reads one being written). Executables
     read from the cache are the ones compiled: what a test computes does not change.
     Tests that count compiles or cache events turn it off (`no_compilation_cache`)."""
     import jax
 
-    from jaxpp_integration.jax_compat import reset_compilation_cache
+    from jaxpp_integration.jax_compat import (
+        atomic_persistent_cache_writes,
+        reset_compilation_cache,
+    )
 
-    directory = str(tmp_path_factory.mktemp("jax_cache"))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    directory = str(root / "jax_cache")
+    os.makedirs(directory, exist_ok=True)
+    atomic_persistent_cache_writes()
     os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
