@@ -86,7 +86,7 @@ MODES_RTOL = reordered_sum_rtol(16 * 16)
 
 def _assert_trains_alike(reference, candidate, rtol=MODES_RTOL):
     """2 steps of `candidate` ((config, trainer)), each against `reference`'s step from the same
-    state (tests/test_train.py: `stepped_alike`): metrics, state and update within `rtol`."""
+    state (tests/test_train.py: `stepped_alike`): metrics and state within `rtol`."""
     assert_steps_agree(stepped_alike(reference, candidate, steps=2), rtol)
 
 
