@@ -271,13 +271,13 @@ def atomic_persistent_cache_writes() -> None:
         return
 
     def put(self, key: str, value: bytes) -> None:
-        folder = getattr(self, "path", None)
-        if self.eviction_enabled or not key or not isinstance(folder, pathlib.Path):
+        folder = os.fspath(getattr(self, "path", ""))  # JAX's Path: pathlib's or etils'
+        if self.eviction_enabled or not key or "://" in folder or not os.path.isdir(folder):
             return original(self, key, value)
-        final = folder / f"{key}{suffix}"
+        final = pathlib.Path(folder, f"{key}{suffix}")
         if final.exists():
             return  # as JAX: the first writer's entry stays
-        partial = folder / f".{key}{suffix}.{os.getpid()}.{threading.get_ident()}.partial"
+        partial = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.partial")
         partial.write_bytes(value)
         os.replace(partial, final)
 
