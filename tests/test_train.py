@@ -87,6 +87,7 @@ def train(tmp_path, *overrides, trainer=None, steps=3):
 # those gradients decide. Measured on one host: at most 44 EPS32 of a leaf (3 steps, every layout
 # below), against the bound's 254.
 ONE_STEP_RTOL = reordered_sum_rtol(SMALL_MODEL_TOKENS)
+M4 = "num_pipeline_microbatches=4"
 
 
 def stepped_alike(reference, candidate, steps=3) -> list:
@@ -120,9 +121,23 @@ def assert_steps_agree(steps: list, rtol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_device_trainer(tmp_path_factory):
+def trainers(tmp_path_factory):
+    """`trainers(*overrides)`: (config, trainer) of SMALL with `overrides`, built once for the
+    whole file (tests of one layout share its compiled steps; none writes into its folder)."""
+    root, built = tmp_path_factory.mktemp("trainers"), {}
+
+    def get(*overrides):
+        if overrides not in built:
+            built[overrides] = build(root, *overrides)
+        return built[overrides]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def one_device_trainer(trainers):
     """(config, trainer) on one device; the loop tests reuse its compiled step."""
-    return build(tmp_path_factory.mktemp("one"))
+    return trainers()
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +178,15 @@ def test_learning_rate_schedule_and_weight_decay_mask(tmp_path):
     ],
     ids=["data2-fsdp4", "data2-fsdp2-tensor2"],
 )
-def test_spmd_layouts_match_one_device(one_device_trainer, tmp_path, layout):
+def test_spmd_layouts_match_one_device(one_device_trainer, trainers, layout):
     """Sharded reductions sum in another order: each step within `ONE_STEP_RTOL`."""
-    assert_steps_agree(stepped_alike(one_device_trainer, build(tmp_path, *layout)), ONE_STEP_RTOL)
+    assert_steps_agree(stepped_alike(one_device_trainer, trainers(*layout)), ONE_STEP_RTOL)
 
 
-def test_microbatching_matches_full_batch(one_device_trainer, tmp_path):
+def test_microbatching_matches_full_batch(one_device_trainer, unpipelined_m4):
     """4 microbatches sum 4 partial losses and gradients instead of one: each step within
     `ONE_STEP_RTOL`."""
-    m4 = build(tmp_path, "num_pipeline_microbatches=4")
-    assert_steps_agree(stepped_alike(one_device_trainer, m4), ONE_STEP_RTOL)
+    assert_steps_agree(stepped_alike(one_device_trainer, unpipelined_m4), ONE_STEP_RTOL)
 
 
 def test_scanned_and_unrolled_layers_train_alike(one_device, tmp_path):
@@ -345,13 +359,13 @@ def test_nan_loss_aborts_with_step_number(one_device_trainer, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def unpipelined_m4(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("m4"), "num_pipeline_microbatches=4")
+def unpipelined_m4(trainers):
+    return trainers(M4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
-def test_pipeline_matches_unpipelined(unpipelined_m4, tmp_path, pp):
+def test_pipeline_matches_unpipelined(unpipelined_m4, trainers, pp):
     """Same seed and microbatching: pipeline_parallelism=2 and 4 train like 1, each step within
     `ONE_STEP_RTOL` of the unpipelined step from the same state.
 
@@ -359,20 +373,16 @@ def test_pipeline_matches_unpipelined(unpipelined_m4, tmp_path, pp):
     one reduction differently there (the first RMSNorm's scale gradient, 2 ulp of its largest
     entry on one host); global-norm clipping spreads that through every update.
     """
-    got = build(tmp_path, f"pipeline_parallelism={pp}", "num_pipeline_microbatches=4")
+    got = trainers(f"pipeline_parallelism={pp}", M4)
     assert_steps_agree(stepped_alike(unpipelined_m4, got), ONE_STEP_RTOL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev"])
-def test_virtual_stages_match_unpipelined(unpipelined_m4, tmp_path, schedule):
+def test_virtual_stages_match_unpipelined(unpipelined_m4, trainers, schedule):
     """num_pipeline_repeats=2: 4 stages of one layer on 2 groups; same bound and reason as above."""
-    got = build(
-        tmp_path,
-        "pipeline_parallelism=2",
-        "num_pipeline_repeats=2",
-        f"pipeline_schedule={schedule}",
-        "num_pipeline_microbatches=4",
+    got = trainers(
+        "pipeline_parallelism=2", "num_pipeline_repeats=2", f"pipeline_schedule={schedule}", M4
     )
     assert_steps_agree(stepped_alike(unpipelined_m4, got), ONE_STEP_RTOL)
 
@@ -387,11 +397,11 @@ def test_tied_embedding_across_stages(tmp_path):
     assert_steps_agree(stepped_alike(reference, got), ONE_STEP_RTOL)
 
 
-def test_pipelined_state_stays_on_its_stage_group(tmp_path):
+def test_pipelined_state_stays_on_its_stage_group(trainers):
     """pipeline_parallelism=4, one layer per stage: after a step every parameter and Adam moment
     lives only on its stage's group (the optimizer update runs there), so no group holds the
     whole model; only the scalar step counters are on every group."""
-    config, trainer = build(tmp_path, "pipeline_parallelism=4", "num_pipeline_microbatches=4")
+    config, trainer = trainers("pipeline_parallelism=4", M4)
     state = trainer.init_state()
     for batch in make_batches(config, 2):
         state, _ = trainer.train_step(state, trainer.put_batch(batch))
@@ -406,14 +416,14 @@ def test_pipelined_state_stays_on_its_stage_group(tmp_path):
         assert leaf.mpmd_idxs == owner, name
 
 
-def test_pipelined_eval_keeps_stages_on_their_groups(one_device_trainer, tmp_path):
+def test_pipelined_eval_keeps_stages_on_their_groups(one_device_trainer, trainers):
     """pipeline_parallelism=2 evaluates as a forward-only pipeline: each param leaf is read by the
     groups the train step left it on (no copy to one device), and the sums equal one device's.
 
     Bounds: token counts exact; loss sums within `reordered_sum_rtol` of the batch's tokens'
     positive losses (the pipeline adds 4 microbatch sums, one device sums the whole batch at
     once)."""
-    config, trainer = build(tmp_path, "pipeline_parallelism=2", "num_pipeline_microbatches=4")
+    config, trainer = trainers("pipeline_parallelism=2", M4)
     state = trainer.init_state()
     state, _ = trainer.train_step(state, trainer.put_batch(make_batches(config, 1)[0]))
     params = state["params"]
@@ -436,25 +446,21 @@ def test_pipelined_eval_keeps_stages_on_their_groups(one_device_trainer, tmp_pat
 
 
 @pytest.mark.slow
-def test_pipeline_with_fsdp_inside_stages(unpipelined_m4, tmp_path):
+def test_pipeline_with_fsdp_inside_stages(unpipelined_m4, trainers):
     """pipeline_parallelism=2 x ici_fsdp_parallelism=2: sharded reductions inside pipelined
     stages, `ONE_STEP_RTOL`."""
-    got = build(
-        tmp_path, "pipeline_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4"
-    )
+    got = trainers("pipeline_parallelism=2", "ici_fsdp_parallelism=2", M4)
     assert_steps_agree(stepped_alike(unpipelined_m4, got), ONE_STEP_RTOL)
 
 
-def test_fsdp_inside_stages_splits_the_microbatch(tmp_path):
+def test_fsdp_inside_stages_splits_the_microbatch(trainers):
     """Data parallelism inside a stage: with ici_fsdp_parallelism=2 every device of a group
     computes half of each microbatch, so the hidden state a stage sends to the next is split
     along the batch (the trainer's activation constraints hold inside pipeline stages too).
     Reference: the microbatch size over the fsdp axis, from the config alone."""
     from jaxpp_integration.compiler.program import Transfer
 
-    config, trainer = build(
-        tmp_path, "pipeline_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4"
-    )
+    config, trainer = trainers("pipeline_parallelism=2", "ici_fsdp_parallelism=2", M4)
     prog, sh = trainer.train_step.program, trainer.train_step.slot_sharding
     hidden = (config.microbatch_size, config.max_target_length, config.emb_dim)
     sent = [
