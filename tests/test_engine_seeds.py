@@ -81,8 +81,10 @@ def test_tutorial_scenario():
     xs = jax.device_put((x, x), in_sh[1:])
 
     def baseline_loss(state):
-        """The SPMD step's loss from the pipelined step's input state (its model's apply)."""
-        state = jax.device_put(host(state).replace(apply_fn=base_state.apply_fn), in_sh[0])
+        """The SPMD step's loss from the pipelined step's input state (the baseline's own model
+        apply and optimizer objects: equal hyperparameters, another instance)."""
+        state = host(state).replace(apply_fn=base_state.apply_fn, tx=base_state.tx)
+        state = jax.device_put(state, in_sh[0])
         return float(np.asarray(compiled(state, *xs)[1]))
 
     # each step's loss from the same state: a mean of BATCH x SEQ x D squares summed in another
