@@ -117,7 +117,8 @@ def test_default_trains_like_microbatch(trainers):
 @pytest.mark.slow
 def test_unrolled_layers_defer_too(trainers):
     """The variant layout, scan_layers=false: 0 reductions in the loop tasks, 2 per step, and
-    the training of the scanned microbatch run within the same bounds (layers unrolled or
+    each step within the same bound of the scanned microbatch run's step from the same state
+    (carried across the layouts through the checkpoints' canonical tree; layers unrolled or
     scanned train bitwise alike on one device: tests/test_train.py)."""
     config, trainer = trainers(4, None, *DATA2, "scan_layers=false")
     assert not config.scan_layers

@@ -22,6 +22,7 @@ from compare import assert_bitwise, assert_close_per_leaf, host, put_like, reord
 from small_model import SMALL_MODEL, SMALL_MODEL_TOKENS, merged
 
 from MaxText import sharding
+from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack
 from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder, cross_entropy_sums
@@ -93,20 +94,42 @@ M4 = "num_pipeline_microbatches=4"
 def stepped_alike(reference, candidate, steps=3) -> list:
     """Steps `candidate` ((config, trainer)) `steps` times from its initial state and, before
     each step, `reference` from the same input state (float32 differences grow step after step
-    through Adam, so a bound counts one step's differences: tests/compare.py). Both layouts start
-    from the same initial parameters, bitwise (same seed). Returns per step
-    ((state, metrics) wanted, (state, metrics) got), as numpy."""
+    through Adam, so a bound counts one step's differences: tests/compare.py). The layouts may
+    differ (scanned or unrolled layers, stages): states cross through the checkpoints' canonical
+    tree. Both start from the same initial state, bitwise (same seed). Returns per step
+    ((state, metrics) wanted, (state, metrics) got), as numpy, states in the canonical tree."""
     (config, ref), (_, cand) = reference, candidate
     ref_layout, cand_layout = ref.init_state(), cand.init_state()  # placement templates
-    assert_bitwise(host(ref_layout["params"]), host(cand_layout["params"]), "initial params ")
+    canonical = lambda trainer, state: CanonicalLayout(trainer.abstract_state).to_canonical(
+        jax.tree.leaves(state)
+    )
+    assert_bitwise(
+        canonical(ref, host(ref_layout)), canonical(cand, host(cand_layout)), "initial state "
+    )
     state, out = host(cand_layout), []
     for batch in make_batches(config, steps):
-        want = ref.train_step(put_like(ref_layout, state), ref.put_batch(batch))
+        want = ref.train_step(
+            put_like(ref_layout, relayout(state, cand, ref)), ref.put_batch(batch)
+        )
         got = cand.train_step(put_like(cand_layout, state), cand.put_batch(batch))
-        out.append((host(want), host(got)))
-        state = out[-1][1][0]
+        (want_state, want_metrics), (state, got_metrics) = host(want), host(got)
+        out.append(
+            ((canonical(ref, want_state), want_metrics), (canonical(cand, state), got_metrics))
+        )
     assert int(state["step"]) == steps
     return out
+
+
+def relayout(state, source, target):
+    """`state` (numpy, in trainer `source`'s layout) in trainer `target`'s layout."""
+    if jax.tree.structure(source.abstract_state) == jax.tree.structure(target.abstract_state):
+        return state
+    flat = jax.tree.leaves(
+        CanonicalLayout(source.abstract_state).to_canonical(jax.tree.leaves(state))
+    )
+    layout = CanonicalLayout(target.abstract_state)
+    back = layout.from_canonical(flat, range(len(flat)), numpy_stack)
+    return jax.tree.unflatten(layout.treedef, [back[j] for j in range(len(back))])
 
 
 def assert_steps_agree(steps: list, rtol: float) -> None:
