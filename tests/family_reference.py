@@ -5,6 +5,9 @@ published formulas with Hugging Face's tensor names.
 Modeling files followed (PyTorch, eager attention path):
 - Llama, Mistral, Qwen 2, Gemma 2: transformers 4.47.1 (`models/<family>/modeling_<family>.py`);
 - Qwen 3: transformers commit 9ee3f431c32e9e5f6c0888f6b2b0ca3f6c289dd6 (4.47.1 has no Qwen 3).
+Gemma 1 (`model_type` gemma: Gemma 2's (1 + w) norms, embedding scale and GeGLU without its
+post-norms, soft caps and windows) is here only to check these formulas against transformers
+4.47.1's `FlaxGemmaForCausalLM`; `flax_logits` runs that and `FlaxMistralForCausalLM`.
 
 The formulas, per layer (x the residual stream, `norm` RMSNorm: x / sqrt(mean(x^2) + eps) * w,
 Gemma's `* (1 + w)`):
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-GEMMA = ("gemma2",)
+GEMMA = ("gemma", "gemma2")  # (1 + w) norms, embeddings x sqrt(hidden), GeGLU (Gemma 1 and 2)
 
 
 def hf_config(family: str, **overrides) -> dict:
@@ -66,6 +69,10 @@ def hf_config(family: str, **overrides) -> dict:
             hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
             attention_bias=False, cache_implementation="hybrid", rms_norm_eps=1e-6,
             pad_token_id=0, transformers_version="4.42.0.dev0",
+        ),
+        "gemma": dict(
+            architectures=["GemmaForCausalLM"], model_type="gemma", head_dim=16,
+            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6,
         ),
         "qwen3": dict(
             architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16,
@@ -113,7 +120,7 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         if family == "qwen3":
             shapes.update({p + "self_attn.q_norm.weight": (d,),
                            p + "self_attn.k_norm.weight": (d,)})  # fmt: skip
-        if family in GEMMA:
+        if family == "gemma2":
             shapes.update({p + "pre_feedforward_layernorm.weight": (e,),
                            p + "post_feedforward_layernorm.weight": (e,)})  # fmt: skip
     shapes["model.norm.weight"] = (e,)
@@ -174,7 +181,7 @@ def layer_window(cfg: dict, layer: int) -> int:
     family = family_of(cfg)
     if family == "mistral":
         return cfg.get("sliding_window") or 0
-    if family in GEMMA:
+    if family == "gemma2":
         return cfg["sliding_window"] if layer % 2 == 0 else 0
     return 0
 
@@ -194,7 +201,7 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
     1 + w)."""
     t = {n: a.astype(np.float64) for n, a in tensors.items()}
     family = family_of(cfg)
-    gemma = family in GEMMA
+    gemma, gemma2 = family in GEMMA, family == "gemma2"
     offset = 1.0 if gemma and "norm_offset" not in skip else 0.0
     b, length = tokens.shape
     h, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
@@ -203,7 +210,7 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
     angles = np.arange(length)[:, None] * inv_freq[None, :]  # [L, D/2]
     cos = np.cos(np.concatenate([angles, angles], -1))[None, :, None, :]
     sin = np.sin(np.concatenate([angles, angles], -1))[None, :, None, :]
-    scale = (cfg["query_pre_attn_scalar"] if gemma else d) ** -0.5
+    scale = (cfg["query_pre_attn_scalar"] if gemma2 else d) ** -0.5
     attn_cap = cfg.get("attn_logit_softcapping") if "softcap" not in skip else None
     act = _gelu_tanh if gemma else (lambda z: z / (1 + np.exp(-z)))
 
@@ -243,14 +250,14 @@ def reference_logits(cfg: dict, tensors, tokens: np.ndarray, skip=()) -> np.ndar
         probs /= probs.sum(-1, keepdims=True)
         a = np.einsum("bhlm,bmhd->blhd", probs, v).reshape(b, length, h * d)
         a = a @ t[p + "self_attn.o_proj.weight"].T
-        if gemma:
+        if gemma2:
             a = norm(a, p + "post_attention_layernorm.weight")
         x = x + a
-        y = norm(x, p + ("pre_feedforward_layernorm.weight" if gemma
+        y = norm(x, p + ("pre_feedforward_layernorm.weight" if gemma2
                          else "post_attention_layernorm.weight"))  # fmt: skip
         gate = y @ t[p + "mlp.gate_proj.weight"].T
         f = (act(gate) * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
-        if gemma:
+        if gemma2:
             f = norm(f, p + "post_feedforward_layernorm.weight")
         x = x + f
     x = norm(x, "model.norm.weight")
@@ -268,3 +275,46 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray, mask_: np.ndarray) ->
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
     picked = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     return float(-(picked * mask_).sum() / mask_.sum())
+
+
+# ---------------------------------------------------------------------- the Flax models
+
+
+def flax_logits(cfg: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    """transformers 4.47.1's FlaxMistralForCausalLM or FlaxGemmaForCausalLM (Gemma 1) on the
+    PyTorch-named `tensors` (kernels transposed to Flax's [in, out]); float32 logits [B, L, V].
+    Both hard-code RoPE base 10000; Flax Mistral's mask (`triu(k=-W)`) attends W + 1 keys."""
+    import jax
+    from transformers import (
+        FlaxGemmaForCausalLM,
+        FlaxMistralForCausalLM,
+        GemmaConfig,
+        MistralConfig,
+    )
+
+    kind = {"mistral": (MistralConfig, FlaxMistralForCausalLM),
+            "gemma": (GemmaConfig, FlaxGemmaForCausalLM)}[family_of(cfg)]  # fmt: skip
+    config = kind[0](**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    model = kind[1](config, _do_init=False)
+    layers = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layers[str(i)] = {
+            "input_layernorm": {"weight": tensors[p + "input_layernorm.weight"]},
+            "post_attention_layernorm": {"weight": tensors[p + "post_attention_layernorm.weight"]},
+            "self_attn": {n: {"kernel": tensors[p + f"self_attn.{n}.weight"].T}
+                          for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            "mlp": {n: {"kernel": tensors[p + f"mlp.{n}.weight"].T}
+                    for n in ("gate_proj", "up_proj", "down_proj")},
+        }  # fmt: skip
+    params = {
+        "model": {
+            "embed_tokens": {"embedding": tensors["model.embed_tokens.weight"]},
+            "layers": layers,
+            "norm": {"weight": tensors["model.norm.weight"]},
+        },
+    }
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    params["lm_head"] = {"kernel": head.T}  # unused by the model when tied
+    run = jax.jit(lambda params, ids: model(ids, params=params).logits)
+    return np.asarray(run(params, np.asarray(tokens)))

@@ -16,12 +16,20 @@ import functools
 import json
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from family_reference import cross_entropy, hf_config, random_tensors, reference_logits
+from family_reference import (
+    cross_entropy,
+    flax_logits,
+    hf_config,
+    random_tensors,
+    reference_logits,
+)
 from family_reference import write_hf_folder as write_folder
 
+from MaxText import sharding
 from MaxText.checkpoint import manager
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.config.checkpoint_keys import MODEL_KEYS
@@ -73,9 +81,20 @@ def _forward(config):
 
 
 def our_logits(items: Path, tokens: np.ndarray, *keys: str) -> np.ndarray:
+    """The converted model's logits; with fsdp/tensor axes, params and activations sharded as
+    the trainer shards them (its logical-axis rules, on a mesh of the config's devices)."""
     config = load_config([BASE, f"load_parameters_path={items}", *keys])
     params, _ = manager.load_params(items, abstract_params(config), config)
-    return np.asarray(_forward(config)({"params": params}, tokens))
+    if config.mesh_fsdp * config.mesh_tensor == 1:
+        return np.asarray(_forward(config)({"params": params}, tokens))
+    mesh = sharding.make_mesh(config, jax.devices()[: config.num_devices])
+    boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), tokens)["params"]
+    specs = sharding.logical_to_specs(nn.get_partition_spec(boxed))
+    params = jax.device_put(params, sharding.named_shardings(mesh, specs))
+    with jax.set_mesh(mesh), sharding.axis_rules():  # as the trainer runs its SPMD step
+        logits = _forward(config)({"params": params}, tokens)
+    assert len(params["token_embedding"].sharding.device_set) == config.num_devices
+    return np.asarray(logits)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -89,9 +108,10 @@ def test_logits_equal_float64_reference_in_every_layout(converted, family):
     for keys in (
         ["scan_layers=true"],
         ["scan_layers=false"],
-        ["scan_layers=true", "pipeline_parallelism=2"],
-        ["scan_layers=false", "pipeline_parallelism=2"],
-    ):
+        ["scan_layers=true", "pipeline_parallelism=2", "remat_policy=full"],
+        ["scan_layers=false", "pipeline_parallelism=2", "ici_fsdp_parallelism=2",
+         "ici_tensor_parallelism=2"],
+    ):  # fmt: skip
         got = our_logits(items, TOKENS, *keys)
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL, err_msg=" ".join(keys))
 
@@ -100,7 +120,9 @@ def test_logits_equal_float64_reference_in_every_layout(converted, family):
 def test_first_training_step_loss_at_pp2_default_keys(converted, tmp_path, family):
     """One step of train.py from the converted checkpoint at pipeline_parallelism=2 with the
     default keys otherwise (scanned layers, 1f1b, checkpointing on): its loss is the
-    reference's on the same batch."""
+    reference's on the same batch. The checkpoint it saves (stage stacks on disk as one layer
+    each) reads back bitwise into the unrolled and the scanned one-stage layouts, and holds
+    trained values (not the converted ones)."""
     from MaxText.data import make_data
     from MaxText.train import main as train
 
@@ -118,6 +140,21 @@ def test_first_training_step_loss_at_pp2_default_keys(converted, tmp_path, famil
     want = cross_entropy(logits, batch["targets"], batch["targets_mask"])
     assert record["step"] == 1
     assert abs(record["loss"] - want) <= TOL, (record["loss"], want)
+
+    run = tmp_path / "ft"
+    unrolled, scanned = (
+        manager.load_params(run, abstract_params(c), c)[0]
+        for c in (load_config([BASE, f"load_parameters_path={run}", f"scan_layers={scan}"])
+                  for scan in ("false", "true"))
+    )  # fmt: skip
+    layers = [k for k in unrolled if k.startswith("layers_")]
+    for i, name in enumerate(sorted(layers, key=lambda k: int(k.split("_")[1]))):
+        for a, b in zip(jax.tree.leaves(unrolled[name]), jax.tree.leaves(scanned["layers"]),
+                        strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
+                                          np.asarray(b)[i].view(np.uint32))  # fmt: skip
+    converted_embedding = tensors["model.embed_tokens.weight"]
+    assert not np.array_equal(np.asarray(unrolled["token_embedding"]), converted_embedding)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -187,3 +224,25 @@ def test_greedy_generation_past_the_window_equals_reference(converted, family):
     assert margin >= 1e-3, margin
     assert cached == want
     assert greedy(skip=("window",))[0] != want
+
+
+def test_float64_reference_equals_the_flax_models():
+    """The reference's formulas against the two Flax models transformers 4.47.1 ships for these
+    families, at their RoPE base 10000: Mistral (Flax's mask attends W + 1 keys: equal with the
+    reference's W + 1, not with W) and Gemma 1 (Gemma 2's (1 + w) norms, embedding scale and
+    GeGLU). Within 1e-5 per element (float32 Flax against float64; logits O(1-10))."""
+    mistral = hf_config("mistral", head_dim=None, rope_theta=10000.0)
+    tensors = random_tensors(mistral, seed=51)
+    flax = flax_logits(mistral, tensors, TOKENS)
+    assert np.abs(flax).max() > 1.0
+    want = reference_logits(mistral, tensors, TOKENS, skip=("window+1",))
+    np.testing.assert_allclose(flax, want, rtol=0, atol=TOL)
+    assert np.abs(flax - reference_logits(mistral, tensors, TOKENS)).max() > 100 * TOL
+
+    gemma = hf_config("gemma")
+    tensors = random_tensors(gemma, seed=52)
+    flax = flax_logits(gemma, tensors, TOKENS)
+    assert np.abs(flax).max() > 1.0
+    np.testing.assert_allclose(flax, reference_logits(gemma, tensors, TOKENS), rtol=0, atol=TOL)
+    plain = reference_logits(gemma, tensors, TOKENS, skip=("norm_offset",))
+    assert np.abs(flax - plain).max() > 100 * TOL

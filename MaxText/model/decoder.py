@@ -1,10 +1,15 @@
 """The decoder-only language model and its loss.
 
 `Decoder(config)(tokens_BxL) -> logits_BxLxV` (float32): token embedding (plus learned positions for
-the gpt block), `num_decoder_layers` decoder layers, final norm, output head (its own kernel, or the
-transposed token embedding with `logits_via_embedding=true`). Packed rows pass `positions_BxL`
-(restarting at 0 in every document) and `segment_ids_BxL` (1, 2, ... per document, 0 for padding):
-attention then stays inside each document (`MaxText/model/attention.py`).
+the gpt block; x sqrt(emb_dim) for Gemma), `num_decoder_layers` decoder layers, final norm, output
+head (its own kernel, or the transposed token embedding with `logits_via_embedding=true`), the
+final soft cap (`final_logits_soft_cap`). What varies by family comes from the config's `Family`
+(`registry.family_of`); where layers differ (each layer's attention window:
+`Family.layer_windows`), the difference is data: an attribute of each unrolled layer, or, when the
+model's layers differ, a scanned int32 input of the one scanned layer program, so a stage boundary
+can fall anywhere and a scanned stage still compiles one layer body. Packed rows pass
+`positions_BxL` (restarting at 0 in every document) and `segment_ids_BxL` (1, 2, ... per document,
+0 for padding): attention then stays inside each document (`MaxText/model/attention.py`).
 
 The only pipeline knowledge here is where stages end: when `config.num_stages > 1` the model calls
 `jaxpp.pipeline_enter_stage` on the hidden state right after the last layer of every stage but the
