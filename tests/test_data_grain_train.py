@@ -22,6 +22,7 @@ from small_model import SMALL_MODEL, merged
 
 from MaxText.config import CONFIGS_DIR
 from MaxText.data import prepare as prepare_lib
+from MaxText.data.shards import Shards
 from MaxText.train import main
 
 
@@ -131,7 +132,7 @@ def synthetic_shards(template: Path, out: Path, num_docs: int, doc_len: int) -> 
     out.mkdir()
     shutil.copy(template / prepare_lib.TOKENIZER_FILE, out / prepare_lib.TOKENIZER_FILE)
     manifest = json.loads((template / prepare_lib.MANIFEST).read_text())
-    writer = prepare_lib._Shards(out, "train", 10_000, np.dtype(np.uint16))
+    writer = Shards(out, "train", 10_000, np.dtype(np.uint16))
     rng = np.random.default_rng(0)
     for _ in range(num_docs):
         writer.add(rng.integers(4, 320, doc_len))
