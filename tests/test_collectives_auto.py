@@ -4,8 +4,9 @@ A 2-stage MLP whose stages scan over stacked [3, 16, 16] weights sharded over fs
 (`P(None, "fsdp")`), on (stage=2, data=2, fsdp=2), batch rows over ("data", "fsdp"). Over
 `data` (weights replicated) the gradient sums are deferred to one all-reduce per stage per step;
 over `fsdp` (weights sharded) every microbatch's sum is reduce-scattered into the weight's
-shard inside the backward task (an explicit reduce-scatter, also on XLA:CPU), and the
-accumulator holds [data=2, shard] — unless full-size partials fit the device memory given.
+shard inside the backward task, one layer at a time inside the backward layer scan (an explicit
+reduce-scatter, also on XLA:CPU), and the accumulator holds [data=2, shard] — unless full-size
+partials fit the device memory given.
 Counts are exact (per trip of the layer scans); results agree with the sharded `jax.jit` of the
 same step within 1e-6 of each leaf's scale (sums in another order: per device, then across).
 """
@@ -83,8 +84,9 @@ def _loop(compiled, kind, axes=None):
 @pytest.mark.parametrize("n_mb", [4, 8])
 def test_auto_scatters_over_fsdp_every_microbatch_and_defers_over_data(n_mb):
     """Default mode on CPU (XLA:CPU reports no device memory, so full-size partials are not
-    assumed to fit): m reduce-scatters over fsdp per stage per step (one weight per stage),
-    no all-reduce in any loop task; after the loop one all-reduce over data per stage (the
+    assumed to fit): 3m reduce-scatters over fsdp per stage per step, one per layer of the
+    stage's 3-layer scan in every microbatch (counted per trip; before issue 37 one per stacked
+    weight, after the scan: m), no all-reduce in any loop task; after the loop one all-reduce over data per stage (the
     weight shards) and one over data+fsdp for the loss sum (no weight to scatter into). The
     accumulators reaching the reduce_ tasks hold one [1, 3, 8, 16] slice per device of their
     group: the data slice of the fsdp shard."""
@@ -97,8 +99,8 @@ def test_auto_scatters_over_fsdp_every_microbatch_and_defers_over_data(n_mb):
         ("fsdp",),
     )
     assert choice.memory_bytes is None
-    assert _loop(compiled, "reduce-scatter", ("fsdp",)) == 2 * n_mb
-    assert _loop(compiled, "reduce-scatter") == 2 * n_mb
+    assert _loop(compiled, "reduce-scatter", ("fsdp",)) == 2 * 3 * n_mb
+    assert _loop(compiled, "reduce-scatter") == 2 * 3 * n_mb
     assert _loop(compiled, "all-reduce") == 0
     assert task_collectives(compiled, "reduce_", "all-reduce", ("data",)) == 2
     assert task_collectives(compiled, "reduce_", "all-reduce", ("data", "fsdp")) == 1
@@ -131,7 +133,7 @@ def test_auto_keeps_full_size_partials_when_they_fit():
 
     _, _, tight, _ = _run(4, jaxpp.AutoReduction(device_memory_bytes=10239), steps=1)
     assert tight.reduction_choice.scattered_axes == ("fsdp",)
-    assert _loop(tight, "reduce-scatter", ("fsdp",)) == 8
+    assert _loop(tight, "reduce-scatter", ("fsdp",)) == 2 * 3 * 4
 
 
 def test_microbatch_with_fsdp_within_1e6_of_jit():

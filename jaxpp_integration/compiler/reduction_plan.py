@@ -36,7 +36,8 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec
 
 from jaxpp_integration.compiler.placement import is_var, split_at_loop
-from jaxpp_integration.compiler.unreduced import defer_reductions, seed_rows
+from jaxpp_integration.compiler.rows import seed_rows
+from jaxpp_integration.compiler.unreduced import Finish, defer_reductions
 from jaxpp_integration.frontend.reductions import Add
 
 GRADIENT_REDUCTIONS = ("auto", "step", "microbatch")
@@ -146,7 +147,7 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
         if not fits:
             lowering = mpmd_mesh.lowering_mesh()
             finish = {
-                j: _scatter_fn(partners[j], axes, lowering, mesh_shape)
+                j: _scatter(partners[j], axes, lowering, mesh_shape)
                 for j, axes in enumerate(sharded)
                 if axes
             }
@@ -169,6 +170,16 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
 
 
 # ------------------------------------------------------------------ the scatter
+
+
+def _scatter(spec: PartitionSpec, sharded: tuple, mesh, mesh_shape) -> Finish:
+    """The reduce-scatter over `sharded` into `spec`'s layout, for the whole output and, when
+    its leading (layer) dimension is not split over those axes, for one layer's slice."""
+    entries = tuple(spec)
+    per_layer = None
+    if not (entries and _names(entries[0]) & set(sharded)):
+        per_layer = _scatter_fn(PartitionSpec(*entries[1:]), sharded, mesh, mesh_shape)
+    return Finish(_scatter_fn(spec, sharded, mesh, mesh_shape), per_layer)
 
 
 def _scatter_fn(spec: PartitionSpec, sharded: tuple, mesh, mesh_shape):
