@@ -10,8 +10,9 @@ instead and each trip adds its own layer's slice into it (`acc[l] += y_l`), so n
 made: the task's temporaries do not grow with the layers of a stage (XLA updates the carried
 accumulator in place, in the buffer of the donated one).
 
-Exactness: every element receives the same single addition as in `acc + value`, so results
-are bitwise those of the plain update. Where XLA reduces a gradient itself (a sum over rows
+Exactness: every element receives the same single addition as in `acc + value` (the value
+made first, behind an optimization barrier, so XLA cannot fold the addition into the matmul
+that makes it), so results are bitwise those of the plain update. Where XLA reduces a gradient itself (a sum over rows
 split across devices, `gradient_reduction="microbatch"`), adding it into the carried
 accumulator makes that reduction happen per layer inside the loop, as for a replicated weight.
 
@@ -155,9 +156,11 @@ def _scan_into(eqn, vals, targets, accs):
 
 
 def _add_slice(acc, y, index, dim: int):
-    """`acc` with `y` added into its slice `index` along `dim`."""
+    """`acc` with `y` added into its slice `index` along `dim`. `y` passes an optimization
+    barrier first: XLA:CPU would otherwise fuse the addition into the matmul that makes `y`
+    (starting its sum from the accumulator: other roundings than `acc + value`)."""
     current = lax.dynamic_index_in_dim(acc, index, dim, keepdims=False)
-    return lax.dynamic_update_index_in_dim(acc, current + y, index, dim)
+    return lax.dynamic_update_index_in_dim(acc, current + lax.optimization_barrier(y), index, dim)
 
 
 def _bind(eqn, vals):

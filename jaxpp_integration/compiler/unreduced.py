@@ -209,13 +209,13 @@ def _per_trip_finish(jaxpr, finish: dict) -> dict:
         v = jaxpr.outvars[j]
         if f.per_layer is None or not is_var(v) or reads.get(v) or jaxpr.outvars.count(v) > 1:
             continue
-        found = _stacked_by(jaxpr, v)
+        found = stacking_scan(jaxpr, v)
         if found is not None:
             out.setdefault(id(found[0]), {})[found[1]] = f.per_layer
     return out
 
 
-def _stacked_by(jaxpr, v):
+def stacking_scan(jaxpr, v):
     """(scan equation, ys position) of the scan whose stacked output `v` is, looking into
     inlined calls (whose output nothing else reads); None if another equation makes it."""
     for eqn in jaxpr.eqns:
@@ -232,7 +232,7 @@ def _stacked_by(jaxpr, v):
             w = inner.outvars[k]
             inner_reads = sum(1 for e in inner.eqns for u in e.invars if u is w)
             if is_var(w) and not inner_reads and inner.outvars.count(w) == 1:
-                return _stacked_by(inner, w)
+                return stacking_scan(inner, w)
         return None
     return None
 
