@@ -12,9 +12,10 @@ accumulator in place, in the buffer of the donated one).
 
 Exactness: every element receives the same single addition as in `acc + value` (the value
 made first, behind an optimization barrier, so XLA cannot fold the addition into the matmul
-that makes it), so results are bitwise those of the plain update. Where XLA reduces a gradient itself (a sum over rows
-split across devices, `gradient_reduction="microbatch"`), adding it into the carried
-accumulator makes that reduction happen per layer inside the loop, as for a replicated weight.
+that makes it), so results are bitwise those of the plain update. Where XLA reduces a
+gradient itself (a sum over rows split across devices, `gradient_reduction="microbatch"`),
+adding it into the carried accumulator makes that reduction happen per layer inside the loop,
+as for a replicated weight.
 
 Only a scan output nothing else reads is accumulated this way (the transpose in between read
 by nothing else either); any other `Add` output is added after the task's equations, as before.
