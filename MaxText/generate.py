@@ -256,6 +256,10 @@ def abstract_params(config: Config) -> Any:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point; returns the exit code (`MaxText/exit_codes.py`)."""
+    from MaxText.config import tool_help
+
+    if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: usage and keys
+        return tool_help.show("MaxText.generate", words)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)

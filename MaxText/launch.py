@@ -5,7 +5,8 @@
 Picks a free port, starts `python train.py ARGS coordinator_address=127.0.0.1:PORT
 num_processes=N process_id=i` for each i, prefixes every output line with `[pI]`, and, when one
 process fails, stops the others and exits with that process's code. On a cluster, run `train.py`
-once per host yourself with the same three keys instead (see README, "Running on several hosts").
+once per host yourself with the same three keys instead (see docs/cluster.md, "Running on several
+hosts").
 
 Signals: each trainer runs in its own session, so a Ctrl-C at the terminal reaches the launcher
 only, and the launcher forwards SIGINT and SIGTERM to every trainer exactly once per signal it
@@ -151,16 +152,29 @@ def _supervise(procs: list[subprocess.Popen], received: list[int], timeout: floa
     return code
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m MaxText.launch")
+    parser.add_argument(
+        "--num_processes", type=int, required=True, help="trainer processes to start (>= 1)"
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before stopping all")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from MaxText.config import tool_help
+
+    if (words := tool_help.requested(argv)) is not None:  # --help before `--`: its own options
+        parser = _parser()
+        parser.usage = tool_help.usage("MaxText.launch")
+        parser.description = tool_help.TOOLS["MaxText.launch"].about
+        return tool_help.show("MaxText.launch", words, parser.format_help())
     if "--" not in argv:
         print("usage: python -m MaxText.launch --num_processes N -- CONFIG.yml [key=value ...]")
         return exit_codes.USER_ERROR
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m MaxText.launch")
-    parser.add_argument("--num_processes", type=int, required=True)
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before stopping all")
-    opts = parser.parse_args(argv[:split])
+    opts = _parser().parse_args(argv[:split])
     if opts.num_processes < 1:
         print("--num_processes must be at least 1")
         return exit_codes.USER_ERROR

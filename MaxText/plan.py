@@ -91,19 +91,38 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m MaxText.plan", add_help=True)
-    parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"])
-    parser.add_argument("--json", dest="json_path", default=None)
-    for flag in ("memory-gb", "peak-tflops", "hbm-gbps", "link-gbps"):
-        parser.add_argument(f"--{flag}", type=_positive, default=None)
-    parser.add_argument("--efficiency", type=_fraction, default=None)
-    return parser.parse_known_args(argv)  # a bad flag: one usage line, exit 2
+def _parser() -> argparse.ArgumentParser:
+    from MaxText.config import tool_help
+
+    parser = argparse.ArgumentParser(
+        prog="python -m MaxText.plan",
+        usage=tool_help.usage("MaxText.plan"),
+        description=tool_help.TOOLS["MaxText.plan"].about,
+        add_help=True,
+    )
+    hw = "predict for this hardware preset (memory, peak, bandwidths)"
+    parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "cpu"], help=hw)
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the plan here")
+    overrides = {
+        "memory-gb": "device memory, GB",
+        "peak-tflops": "dense bf16 peak per device, TFLOP/s",
+        "hbm-gbps": "device memory bandwidth, GB/s",
+        "link-gbps": "stage-to-stage bandwidth per device, GB/s",
+    }
+    for flag, what in overrides.items():
+        parser.add_argument(f"--{flag}", type=_positive, default=None, help=f"{what} (> 0)")
+    what = "fraction of the peak a large matmul-bound task reaches, in (0, 1]"
+    parser.add_argument("--efficiency", type=_fraction, default=None, help=what)
+    return parser
 
 
 def main(argv=None) -> int:
+    from MaxText.config import tool_help
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, rest = _parse(argv)
+    if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: flags and keys
+        return tool_help.show("MaxText.plan", words, _parser().format_help())
+    args, rest = _parser().parse_known_args(argv)  # a bad flag: one usage line, exit 2
     return exit_codes.run(lambda: _plan(args, rest))
 
 

@@ -19,6 +19,10 @@ from collections.abc import Sequence
 def main(argv: Sequence[str]) -> int:
     """Entry point; returns the exit code (`MaxText/exit_codes.py`)."""
     from MaxText import exit_codes
+    from MaxText.config import tool_help
+
+    if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: usage and keys
+        return tool_help.show("MaxText.to_maxtext", words)
     from MaxText.metrics import setup_logging
 
     setup_logging()

@@ -328,6 +328,10 @@ def _stop_now(data: Any, checkpoints: Checkpoints) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point; returns the process exit code (`MaxText/exit_codes.py`)."""
+    from MaxText.config import tool_help
+
+    if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: usage and keys
+        return tool_help.show("train", words)
     setup_logging()
     with StopRequests() as stops:
         try:

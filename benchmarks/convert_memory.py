@@ -37,14 +37,17 @@ def write_synthetic_llama(folder: Path, args: argparse.Namespace) -> int:
     import ml_dtypes
     import numpy as np
 
-    from MaxText.convert.layout import llama_tensors
+    from MaxText.config import CONFIGS_DIR, load_config
+    from MaxText.convert.layout import tensors_for
     from MaxText.convert.safetensors_io import SafetensorsWriter
 
     e, h, k, m, v = args.width, args.heads, args.kv_heads, args.mlp, args.vocab
-    tensors = llama_tensors(
-        num_layers=args.layers, emb_dim=e, num_heads=h, num_kv_heads=k, head_dim=e // h,
-        mlp_dim=m, vocab_size=v, tied=False,
-    )  # fmt: skip
+    shape = load_config([
+        str(CONFIGS_DIR / "base.yml"), f"num_decoder_layers={args.layers}", f"emb_dim={e}",
+        f"num_query_heads={h}", f"num_kv_heads={k}", f"head_dim={e // h}", f"mlp_dim={m}",
+        f"vocab_size={v}", "logits_via_embedding=false",
+    ])  # fmt: skip
+    tensors = tensors_for(shape)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     total = sum(int(np.prod(t.hf_shape)) * 2 for t in tensors)
     writer = SafetensorsWriter(

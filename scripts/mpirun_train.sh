@@ -12,7 +12,7 @@
 # num_processes=-1: the process count and this process's rank come from mpirun
 # (OMPI_COMM_WORLD_SIZE / _RANK). coordinator_address names process 0's host and a free port:
 # Open MPI 5 does not export where it runs (Open MPI 4 does, and the key may then be left out).
-# See the README, "Running on a GPU cluster".
+# See docs/cluster.md, "Running on a GPU cluster".
 set -euo pipefail
 HOSTS="${HOSTS:?set HOSTS=node1,node2,... (one process per host)}"
 FIRST="${HOSTS%%,*}"

@@ -35,7 +35,7 @@ from MaxText.checkpoint import manager
 from MaxText.config import CONFIGS_DIR, ConfigError, load_config
 from MaxText.generate import abstract_params, sample_tokens
 from MaxText.model import Decoder
-from MaxText.model.layers import rope_frequencies
+from MaxText.model.rope import rope_frequencies
 from MaxText.to_huggingface import main as to_huggingface
 from MaxText.to_maxtext import main as to_maxtext
 
@@ -344,8 +344,8 @@ def test_first_training_step_loss_equals_reference(models, tmp_path, layout):
 
 
 def readme_commands() -> str:
-    """The bash block of the README section "Fine-tune a Llama checkpoint", as written."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The bash block of docs/fine_tuning.md, section "Fine-tune a Llama checkpoint", as written."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "fine_tuning.md").read_text()
     section = text.split("## Fine-tune a Llama checkpoint", 1)[1]
     return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
@@ -414,7 +414,8 @@ def test_readme_fine_tune_commands_run_as_written(tmp_path):
         exported.update(load_file(str(f)))
     assert (tmp_path / "export" / "tokenizer.json").is_file()
     written = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert (written["bos_token_id"], written["eos_token_id"]) == (0, 1)
+    # the source's config.json comes back (its token ids kept), not ids from the tokenizer
+    assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)
     config = load_config([BASE, f"load_parameters_path={run}", "scan_layers=false"])
     params, _ = manager.load_params(run, abstract_params(config), config)
     rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)

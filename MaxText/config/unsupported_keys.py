@@ -5,7 +5,7 @@ A MaxText user's command that sets one of these stops with one line,
 `config error: not supported here: <key> (<where>): <reason>`, instead of a suggestion of some
 unrelated key. A key listed here that the config later implements is simply a key (the config's
 own keys are looked up first), so this table never hides a working key; keep it in step anyway.
-README's "Coming from MaxText" section lists the same keys and reasons.
+docs/coming_from_maxtext.md, "MaxText keys not supported here", lists the same keys and reasons.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Our checkpoint -> Hugging Face Llama folder (`python -m MaxText.to_huggingface`).
+"""Our checkpoint -> Hugging Face folder of its family (`python -m MaxText.to_huggingface`).
 
     python -m MaxText.to_huggingface configs/base.yml load_parameters_path=CKPT hf_output_path=DIR \
         [hf_output_dtype=bfloat16|float32|float16]
@@ -8,7 +8,9 @@ CKPT is any form `load_parameters_path` takes (a converted `OUT/0/items` or `OUT
 its checkpoints folder, one step); with `run_name=` alone the run's newest checkpoint is used. The
 model keys come from the checkpoint (`MaxText/config/checkpoint_keys.py`).
 
-Writes `config.json`, `generation_config.json`, the tokenizer file if the config names one, and
+Writes `config.json` and `generation_config.json` (the source's, when the checkpoint descends
+from a `to_maxtext` conversion: every field kept but the ones of model keys that changed and
+`torch_dtype`; else fresh ones), the tokenizer file if the config names one, and
 the weights as safetensors in `hf_output_dtype` ("" = the dtype stored in the checkpoint):
 `model.safetensors`, or shards of at most `hf_max_shard_mb` MB with `model.safetensors.index.json`.
 Streaming: the checkpoint is read one group of tensors at a time (the embedding, then each decoder
@@ -29,7 +31,9 @@ import numpy as np
 from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import find_step_dir, saved_config
 from MaxText.config import Config, ConfigError, load_config
+from MaxText.config.checkpoint_keys import saved_config as saved_config_of
 from MaxText.convert import hf_config
+from MaxText.convert.importer import SOURCE_CONFIG, SOURCE_GENERATION_CONFIG
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsWriter
 from MaxText.errors import CheckpointError
@@ -49,11 +53,7 @@ def export_config(argv: Sequence[str]) -> Config:
         config = load_config([*argv, f"load_parameters_path={config.output_dir}"])
     if not config.hf_output_path:
         raise ConfigError("to_huggingface needs hf_output_path=<folder to write>")
-    if config.decoder_block != "llama":
-        raise ConfigError(
-            f"to_huggingface writes Llama models; the checkpoint has decoder_block="
-            f"{config.decoder_block}"
-        )
+    hf_config.check_exportable(config)
     return config
 
 
@@ -66,6 +66,21 @@ def source_item(path: str) -> tuple[Path, int]:
     if step is None:
         step, _ = saved_config(path)
     return directory / str(step) / "state", step
+
+
+def converted_source(path: str) -> dict[str, Any]:
+    """The saved config of the converted checkpoint `path` descends from: `path` itself when
+    `to_maxtext` wrote it, else the checkpoint its run started from (`load_parameters_path`,
+    followed back through runs started from runs); {} when there is none (trained from scratch,
+    or the source checkpoint is gone: then config.json is written fresh)."""
+    seen = set()
+    while path and path not in seen and Path(path).exists():
+        seen.add(path)
+        saved = saved_config_of(path) or {}
+        if SOURCE_CONFIG in saved:
+            return saved
+        path = saved.get("load_parameters_path", "")
+    return {}
 
 
 def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
@@ -141,12 +156,13 @@ def export(config: Config) -> Path:
         del values
     files = writer.close()
 
+    source = converted_source(config.load_parameters_path)
     tokenizer = _tokenizer(config)
     bos = tokenizer.bos_id if tokenizer is not None and config.add_bos else -1
     eos = tokenizer.eos_id if tokenizer is not None else -1
-    written = hf_config.hf_config(config, dtype_name, bos, eos)
+    written = hf_config.hf_config(config, dtype_name, bos, eos, source=source.get(SOURCE_CONFIG))
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
-    generation = hf_config.generation_config(bos, eos)
+    generation = source.get(SOURCE_GENERATION_CONFIG) or hf_config.generation_config(bos, eos)
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if config.tokenizer_path:
         name = "tokenizer.json" if config.tokenizer_type == "huggingface" else "tokenizer.model"

@@ -1,4 +1,5 @@
-"""Hugging Face Llama folder -> parameters-only checkpoint (`python -m MaxText.to_maxtext`).
+"""A Hugging Face folder (any family with a format) -> a parameters-only checkpoint
+(`python -m MaxText.to_maxtext`).
 
     python -m MaxText.to_maxtext configs/base.yml [model_name=<preset>] hf_model_path=DIR \
         base_output_directory=OUT [weight_dtype=float32|bfloat16]
@@ -11,10 +12,11 @@ field that differs). A tokenizer in DIR (`tokenizer.json` -> `tokenizer_type=hug
 
 `convert(config)` checks every tensor's presence and shape first (nothing is written for a
 checkpoint that does not fit), then streams: each tensor is read from its safetensors file when
-orbax writes it, transposed into our layout (`layout.py`), cast to `weight_dtype` and dropped, so
-memory holds one tensor at a time. Output: `OUT/0/items` + `OUT/0/config`
+orbax writes it, put into our layout by its family's table (`layout.py`), cast to `weight_dtype`
+and dropped, so memory holds one tensor at a time. Output: `OUT/0/items` + `OUT/0/config`
 (`MaxText/checkpoint/parameters.py`), loadable with `load_parameters_path=OUT/0/items` (or `OUT`)
-into any layout.
+into any layout. The config item also keeps the source's `config.json` (and
+`generation_config.json`) as they were, which `to_huggingface` writes back.
 """
 
 from __future__ import annotations
@@ -33,10 +35,14 @@ from MaxText.config import ALIASES, Config, ConfigError, load_config
 from MaxText.convert import hf_config
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsError, SafetensorsReader
+from MaxText.model import family_of
 
 log = logging.getLogger("MaxText")
 
 DTYPES = {"float32": np.float32, "float16": np.float16}
+# Where the config item keeps the source folder's config.json and generation_config.json.
+SOURCE_CONFIG = "hf_config"
+SOURCE_GENERATION_CONFIG = "hf_generation_config"
 # Tensors some checkpoints carry that the model recomputes (RoPE tables): skipped.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -61,8 +67,9 @@ def _token(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
-def read_hf_config(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
+def read_hf_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
+    """The JSON file `name` of a Hugging Face folder (one line if it is missing or damaged)."""
+    path = folder / name
     if not path.is_file():
         raise ConfigError(f"hf_model_path={folder} has no config.json (not a Hugging Face folder)")
     try:
@@ -86,7 +93,7 @@ def import_config(argv: Sequence[str]) -> tuple[Config, Path]:
         raise ConfigError("usage: python -m MaxText.to_maxtext configs/base.yml hf_model_path=DIR")
     folder_text = _cli_value(argv, "hf_model_path")
     if not folder_text:
-        raise ConfigError("to_maxtext needs hf_model_path=<a Hugging Face Llama folder>")
+        raise ConfigError("to_maxtext needs hf_model_path=<a Hugging Face model folder>")
     folder = Path(folder_text).expanduser().absolute()
     if not folder.is_dir():
         raise ConfigError(f"hf_model_path={folder_text} is not a folder")
@@ -103,7 +110,7 @@ def import_config(argv: Sequence[str]) -> tuple[Config, Path]:
     for key, value in keys.items():
         have = getattr(config, key)
         if have != value:
-            field = hf_config.hf_field(key)
+            field = hf_config.hf_field(key, keys["decoder_block"])
             whose = f"model_name={preset}" if preset is not None else "the command line"
             raise ConfigError(
                 f"hf_model_path={folder_text}: config.json has {field}={value!r} but {whose} "
@@ -114,7 +121,9 @@ def import_config(argv: Sequence[str]) -> tuple[Config, Path]:
     return config, folder
 
 
-def check_tensors(reader: SafetensorsReader, tensors: Sequence[Tensor], folder: Path) -> None:
+def check_tensors(
+    reader: SafetensorsReader, tensors: Sequence[Tensor], folder: Path, architecture: str
+) -> None:
     """Every tensor present, with its shape and a float dtype; nothing else but ignorable ones."""
     for t in tensors:
         if t.hf_name not in reader:
@@ -135,7 +144,7 @@ def check_tensors(reader: SafetensorsReader, tensors: Sequence[Tensor], folder: 
         if name == "lm_head.weight":  # a tied model that also stores its head: the same values
             continue
         raise ConfigError(
-            f"hf_model_path={folder}: unexpected tensor {name} (not part of a Llama model)"
+            f"hf_model_path={folder}: unexpected tensor {name} (not part of a {architecture})"
         )
 
 
@@ -151,14 +160,12 @@ def _nest(leaves: dict[tuple[str, ...], Any]) -> dict:
 
 def convert(config: Config, folder: Path) -> Path:
     """Writes `<base_output_directory>/0/items` from `folder` (see the module docstring)."""
-    if config.decoder_block != "llama":
-        raise ConfigError(f"to_maxtext converts Llama models; decoder_block={config.decoder_block}")
     try:
         reader = SafetensorsReader(folder)
     except SafetensorsError as e:
         raise ConfigError(str(e)) from None
     tensors = tensors_for(config)
-    check_tensors(reader, tensors, folder)
+    check_tensors(reader, tensors, folder, family_of(config).hf.architecture)
     dtype = _dtype(config.weight_dtype)
 
     def producer(t: Tensor):
@@ -166,6 +173,9 @@ def convert(config: Config, folder: Path) -> Path:
 
     leaves = {t.path: parameters.LazyLeaf(t.shape, dtype, producer(t)) for t in tensors}
     saved = {"format": FORMAT_VERSION, **config.to_dict(), "converted_from": str(folder)}
+    saved[SOURCE_CONFIG] = read_hf_config(folder)
+    if (folder / "generation_config.json").is_file():
+        saved[SOURCE_GENERATION_CONFIG] = read_hf_config(folder, "generation_config.json")
     out = Path(config.base_output_directory).expanduser().absolute()
     items = parameters.write(out, 0, _nest(leaves), saved)
     total = sum(leaf.nbytes for leaf in leaves.values())

@@ -1,35 +1,36 @@
-"""Tensor names and layouts: Hugging Face Llama (PyTorch `[out, in]`) <-> our canonical tree.
+"""A family's tensor table, expanded for one config: every tensor's Hugging Face name and shape,
+our path and shape, and the two layout maps.
 
 Our canonical parameter tree is the one checkpoints store (`MaxText/checkpoint/layout.py`): every
 decoder layer its own `layers_<i>` sub-tree, kernels `[in, ...out]` with heads split out
-(`query_kernel [E, H, D]`, `out_kernel [H, D, E]`). A `Tensor` says, for one leaf, its path in
-that tree, its Hugging Face name, its shape on both sides, and the two layout maps:
+(`query_kernel [E, H, D]`, `out_kernel [H, D, E]`). Hugging Face stores PyTorch `Linear.weight`s,
+`[out, in]`. A family's table (`HfFormat.tensors`, in `MaxText/model/<family>.py`) names, per
+parameter, the layout change between the two; the changes are:
 
-    model.embed_tokens.weight                   [V, E]     token_embedding          [V, E]
-    model.layers.{i}.input_layernorm.weight     [E]        layers_i/pre_attention_norm/scale
-    model.layers.{i}.self_attn.q_proj.weight    [H*D, E]   .../self_attention/query_kernel [E, H, D]
-    model.layers.{i}.self_attn.k_proj.weight    [K*D, E]   .../self_attention/key_kernel   [E, K, D]
-    model.layers.{i}.self_attn.v_proj.weight    [K*D, E]   .../self_attention/value_kernel [E, K, D]
-    model.layers.{i}.self_attn.o_proj.weight    [E, H*D]   .../self_attention/out_kernel   [H, D, E]
-    model.layers.{i}.post_attention_layernorm.weight [E]   layers_i/pre_mlp_norm/scale
-    model.layers.{i}.mlp.gate_proj.weight       [M, E]     layers_i/mlp/wi_0        [E, M]
-    model.layers.{i}.mlp.up_proj.weight         [M, E]     layers_i/mlp/wi_1        [E, M]
-    model.layers.{i}.mlp.down_proj.weight       [E, M]     layers_i/mlp/wo          [M, E]
-    model.norm.weight                           [E]        decoder_norm/scale
-    lm_head.weight                              [V, E]     logits_kernel            [E, V]
-                                                           (absent when tied: logits_via_embedding)
+    same        any shape        identical (embeddings, norm scales)
+    transpose   ours [A, B]      hf [B, A]          (MLP kernels, the output head)
+    heads_in    ours [E, N, D]   hf [N*D, E]        (q, k, v projections)
+    heads_out   ours [N, D, E]   hf [E, N*D]        (the output projection)
+    heads_bias  ours [N, D]      hf [N*D]           (q, k, v biases)
 
 Both sides rotate the two halves of each head's dimensions in RoPE (Hugging Face's
 `rotate_half`), so q and k need no permutation: a head's rows keep their order. Every map is a
 transpose and reshape, exact in any dtype; dtype conversion is the caller's.
+
+Our shapes come from the model itself (`jax.eval_shape` of its canonical initialisation), so a
+table can only name parameters the model has: `tensors_for` drops the rows whose parameter the
+config does not create (a tied head) and fails on a parameter no row names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
+
+from MaxText.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,76 +43,105 @@ class Tensor:
     to_hf: Callable[[np.ndarray], np.ndarray]
 
 
-def _same(x: np.ndarray) -> np.ndarray:
-    return x
+def _same(shape):
+    return shape, (lambda w: w), (lambda x: x)
 
 
-def _transpose(x: np.ndarray) -> np.ndarray:
-    return x.T
+def _transpose(shape):
+    a, b = shape
+    return (b, a), (lambda w: w.T), (lambda x: x.T)
 
 
-def llama_tensors(
-    *,
-    num_layers: int,
-    emb_dim: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    mlp_dim: int,
-    vocab_size: int,
-    tied: bool,
-) -> list[Tensor]:
-    """Every tensor of a Llama model, in Hugging Face's order (embedding, layers, norm, head)."""
-    e, h, k, d, m, v = emb_dim, num_heads, num_kv_heads, head_dim, mlp_dim, vocab_size
+def _heads_in(shape):
+    # [N*D, E] <-> [E, N, D]: row (head, j) of the PyTorch weight is column (head, j)
+    e, n, d = shape
+    return (n * d, e), (lambda w: w.T.reshape(e, n, d)), (lambda x: x.reshape(e, n * d).T)
 
-    def projection(heads: int) -> tuple[Callable, Callable]:
-        # [heads*D, E] <-> [E, heads, D]: row (head, j) of the PyTorch weight is column (head, j)
-        return (lambda w: w.T.reshape(e, heads, d)), (lambda x: x.reshape(e, heads * d).T)
 
-    q_in, q_out = projection(h)
-    kv_in, kv_out = projection(k)
-    embed = Tensor(("token_embedding",), "model.embed_tokens.weight", (v, e), (v, e), _same, _same)
-    tensors = [embed]
-    for i in range(num_layers):
-        hf, ours = f"model.layers.{i}.", (f"layers_{i}",)
-        attn = (*ours, "self_attention")
-        tensors += [
-            Tensor((*ours, "pre_attention_norm", "scale"), hf + "input_layernorm.weight",
-                   (e,), (e,), _same, _same),
-            Tensor((*attn, "query_kernel"), hf + "self_attn.q_proj.weight",
-                   (e, h, d), (h * d, e), q_in, q_out),
-            Tensor((*attn, "key_kernel"), hf + "self_attn.k_proj.weight",
-                   (e, k, d), (k * d, e), kv_in, kv_out),
-            Tensor((*attn, "value_kernel"), hf + "self_attn.v_proj.weight",
-                   (e, k, d), (k * d, e), kv_in, kv_out),
-            Tensor((*attn, "out_kernel"), hf + "self_attn.o_proj.weight", (h, d, e), (e, h * d),
-                   lambda w: w.T.reshape(h, d, e), lambda x: x.reshape(h * d, e).T),
-            Tensor((*ours, "pre_mlp_norm", "scale"), hf + "post_attention_layernorm.weight",
-                   (e,), (e,), _same, _same),
-            Tensor((*ours, "mlp", "wi_0"), hf + "mlp.gate_proj.weight",
-                   (e, m), (m, e), _transpose, _transpose),
-            Tensor((*ours, "mlp", "wi_1"), hf + "mlp.up_proj.weight",
-                   (e, m), (m, e), _transpose, _transpose),
-            Tensor((*ours, "mlp", "wo"), hf + "mlp.down_proj.weight",
-                   (m, e), (e, m), _transpose, _transpose),
-        ]  # fmt: skip
-    tensors.append(Tensor(("decoder_norm", "scale"), "model.norm.weight", (e,), (e,), _same, _same))
-    if not tied:
-        tensors.append(
-            Tensor(("logits_kernel",), "lm_head.weight", (e, v), (v, e), _transpose, _transpose)
-        )
-    return tensors
+def _heads_out(shape):
+    n, d, e = shape
+    return (e, n * d), (lambda w: w.T.reshape(n, d, e)), (lambda x: x.reshape(n * d, e).T)
+
+
+def _heads_bias(shape):
+    n, d = shape
+    return (n * d,), (lambda w: w.reshape(n, d)), (lambda x: x.reshape(n * d))
+
+
+# name -> (our shape -> (hf shape, hf -> ours, ours -> hf))
+LAYOUTS = {
+    "same": _same,
+    "transpose": _transpose,
+    "heads_in": _heads_in,
+    "heads_out": _heads_out,
+    "heads_bias": _heads_bias,
+}
+
+
+def canonical_shapes(config) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Path -> shape of every parameter of `config`'s model in the canonical on-disk tree
+    (`layers_<i>` per layer), from an abstract initialisation (nothing is computed)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from MaxText.model import Decoder, canonical_init_config
+
+    one_scan = dataclasses.replace(canonical_init_config(config), attention="dot_product")
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    boxed = jax.eval_shape(Decoder(one_scan).init, jax.random.key(0), tokens)["params"]
+    shapes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(boxed))[0]:
+        names = tuple(p.key for p in path)
+        if names[0] == "layers":
+            for i in range(config.num_decoder_layers):
+                shapes[(f"layers_{i}", *names[1:])] = tuple(leaf.shape[1:])
+        else:
+            shapes[names] = tuple(leaf.shape)
+    return shapes
+
+
+def _expand(rows, num_layers: int):
+    """(our path, hf name, layout) per tensor: rows without `{i}` where they stand, each run of
+    `{i}` rows repeated for every layer (Hugging Face's order: embedding, layers, norm, head)."""
+    out, run = [], []
+
+    def flush():
+        for i in range(num_layers):
+            out.extend((r.ours.format(i=i), r.hf.format(i=i), r.layout) for r in run)
+        run.clear()
+
+    for row in rows:
+        if "{i}" in row.ours:
+            run.append(row)
+            continue
+        flush()
+        out.append((row.ours, row.hf, row.layout))
+    flush()
+    return out
 
 
 def tensors_for(config) -> list[Tensor]:
-    """`llama_tensors` of a trainer `Config` (decoder_block=llama)."""
-    return llama_tensors(
-        num_layers=config.num_decoder_layers,
-        emb_dim=config.emb_dim,
-        num_heads=config.num_query_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        mlp_dim=config.mlp_dim,
-        vocab_size=config.vocab_size,
-        tied=config.logits_via_embedding,
-    )
+    """Every tensor of `config`'s model in its family's Hugging Face format, in file order."""
+    from MaxText.model import family_of
+
+    family = family_of(config)
+    if family.hf is None:
+        raise ConfigError(
+            f"decoder_block={config.decoder_block} has no Hugging Face format here (formats: "
+            f"the families of MaxText/model/registry.py with an `hf` table)"
+        )
+    shapes = canonical_shapes(config)
+    tensors = []
+    for ours, hf_name, layout in _expand(family.hf.tensors, config.num_decoder_layers):
+        path = tuple(ours.split("/"))
+        if path not in shapes:
+            continue  # a parameter this config does not create (a tied head, an unused bias)
+        shape = shapes.pop(path)
+        hf_shape, to_ours, to_hf = LAYOUTS[layout](shape)
+        assert math.prod(hf_shape) == math.prod(shape), (hf_name, shape, hf_shape)
+        tensors.append(Tensor(path, hf_name, shape, hf_shape, to_ours, to_hf))
+    if shapes:
+        missing = ", ".join("/".join(p) for p in sorted(shapes)[:3])
+        raise AssertionError(f"the {family.name} tensor table has no row for {missing}")
+    return tensors

@@ -295,16 +295,20 @@ def prepare(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
-        prog="python -m MaxText.data.prepare", description=__doc__.split("\n\n")[0]
+        prog="python -m MaxText.data.prepare",
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--input", required=True, help="folder or glob of .txt/.md/.jsonl files")
     parser.add_argument("--out", required=True, help="new folder for shards and manifest.json")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--tokenizer_path", default="", help="an existing sentencepiece .model")
-    group.add_argument("--vocab_size", type=int, default=1024, help="pieces of a trained tokenizer")
-    parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard")
-    parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out")
+    group.add_argument(
+        "--vocab_size", type=int, default=1024, help="pieces of a trained tokenizer (1024)"
+    )
+    parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard (65536)")
+    parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out (0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     for key in ("add_bos", "add_eos"):
         parser.add_argument(
@@ -314,6 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             metavar="true|false",
             help=f"{key.split('_')[1].upper()} around each document (MaxText's key; default true)",
         )
+    from MaxText.config import tool_help
+
+    if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: options, then the keys
+        return tool_help.show("MaxText.data.prepare", words, parser.format_help())
     args = parser.parse_args(argv)
     return exit_codes.run(lambda: _run(args))
 

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import jaxpp_integration as jaxpp
 from MaxText.config import Config
 from MaxText.model import layers
+from MaxText.model.params import dtype_of, fan_in_init
+from MaxText.model.registry import family_of
 
 
 class Decoder(nn.Module):
@@ -47,7 +49,8 @@ class Decoder(nn.Module):
         c = self.config
         if cache is not None and c.scan_layers:
             raise ValueError("decoding with a KV cache needs scan_layers=false (unrolled layers)")
-        dtype, wdtype = layers.dtype_of(c.dtype), layers.dtype_of(c.weight_dtype)
+        family = family_of(c)
+        dtype, wdtype = dtype_of(c.dtype), dtype_of(c.weight_dtype)
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
 
@@ -62,7 +65,7 @@ class Decoder(nn.Module):
             embedding_VxE, ("activation_vocab", "activation_embed")
         )
         x_BxLxE = jnp.take(table_VxE, tokens_BxL, axis=0).astype(dtype)
-        if c.decoder_block == "gpt":
+        if not family.rope:  # a learned position table instead
             position_PxE = self.param(
                 "position_embedding",
                 nn.with_logical_partitioning(nn.initializers.normal(0.02), ("position", "embed")),
@@ -101,7 +104,7 @@ class Decoder(nn.Module):
         else:
             head_ExV = self.param(
                 "logits_kernel",
-                nn.with_logical_partitioning(layers.fan_in_init(), ("embed", "vocab")),
+                nn.with_logical_partitioning(fan_in_init(), ("embed", "vocab")),
                 (c.emb_dim, c.vocab_size),
                 wdtype,
             )
@@ -129,7 +132,7 @@ def init_cache(config: Config, batch: int, length: int) -> list[dict[str, jax.Ar
     """An empty KV cache of `length` slots per row, one {"key", "value"} [B, T, K, D] per layer
     (in `dtype`, as the keys and values the layers compute)."""
     shape = (batch, length, config.num_kv_heads, config.head_dim)
-    dtype = layers.dtype_of(config.dtype)
+    dtype = dtype_of(config.dtype)
     return [
         {"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
         for _ in range(config.num_decoder_layers)
