@@ -51,6 +51,7 @@ class GroupPlan:
     temp_bytes: int
     peak_bytes: int
     live_peak_bytes: int = 0  # peak without XLA temporaries (what device buffers show)
+    xla_temp_bytes: int = 0  # the compiler's own temporaries when the per-layer bound replaced them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +76,17 @@ class Plan:
     transfer_s: float = 0.0  # one stage boundary crossing (activation or cotangent)
     num_layers: int = 0  # decoder layers: a stage holds at least one, so stages <= layers
     gradients: dict | None = None  # `gradient_communication` of the compiled step
+    layer_bound: Any = None  # layer_bound.LayerBound when the plan was judged by it
 
     def as_json(self) -> dict[str, Any]:
         extra = {"gradients": self.gradients} if self.gradients is not None else {}
+        if self.layer_bound is not None:
+            extra["temporaries"] = {
+                "layer_bound": dataclasses.asdict(self.layer_bound),
+                "layer_bound_bytes": self.layer_bound.total_bytes,
+                "compiler_temp_bytes": [g.xla_temp_bytes or g.temp_bytes for g in self.groups],
+            }
+        hidden = ("live_peak_bytes", "xla_temp_bytes")
         return {
             **extra,
             "fits": self.fits,
@@ -86,7 +95,7 @@ class Plan:
             "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
             "groups": [
-                {k: v for k, v in dataclasses.asdict(g).items() if k != "live_peak_bytes"}
+                {k: v for k, v in dataclasses.asdict(g).items() if k not in hidden}
                 for g in self.groups
             ],
             "predicted": dict(self.predicted),
@@ -252,11 +261,13 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     costs = Costs(transfer=transfer_bytes / (hardware.link_gbps * GB), per_task=per_task or None)
     sim = simulate(schedule, config.num_pipeline_microbatches, costs)
     step_time = sim.makespan + max(outside)
+    groups, bound = judge_temporaries(config, hardware, groups)
     out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
     stage_costs = _stage_costs(config, schedule, per_task, groups, layer_params)
     baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
     return dataclasses.replace(
         out,
+        layer_bound=bound,
         gradients=gradient_communication(compiled, groups),
         stage_costs=stage_costs,
         baseline=baseline,
@@ -266,6 +277,36 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
         task_seconds=dict(per_task),
         transfer_s=costs.transfer,
     )
+
+
+def judge_temporaries(config, hardware: Hardware, groups: list):
+    """(groups, per-layer bound or None): when the plan does not fit by XLA:CPU's temporaries
+    and is for other hardware (a GPU preset planned on a CPU host), each group whose
+    temporaries exceed the per-layer bound (`layer_bound`, one bound per remat policy of the
+    stages, the largest) is judged by the bound: its temporaries become the bound and its peak
+    the live peak plus the bound (at most the measured peak)."""
+    import jax
+
+    from MaxText.planning import layer_bound as lb
+
+    over = any(g.peak_bytes > hardware.memory_bytes for g in groups)
+    if hardware.compiler_bytes or jax.default_backend() != "cpu" or not over:
+        return groups, None
+    policies = sorted(set(config.stage_remat))
+    bounds = {p: lb.layer_bound(config, p) for p in policies}
+    bound = max(bounds.values(), key=lambda b: b.total_bytes)
+    judged = []
+    for g in groups:
+        temp = lb.judged_temp(g.temp_bytes, bound)
+        if temp < g.temp_bytes:
+            g = dataclasses.replace(
+                g,
+                temp_bytes=int(temp),
+                peak_bytes=int(min(g.peak_bytes, g.live_peak_bytes + temp)),
+                xla_temp_bytes=g.temp_bytes,
+            )
+        judged.append(g)
+    return judged, bound
 
 
 def gradient_communication(compiled, groups) -> dict:
