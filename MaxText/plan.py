@@ -6,7 +6,9 @@
 It plans the config as `train.py` would run it (`MaxText.planning.cost_model`: the trainer's real
 step compiled on abstract inputs, no parameter memory), with every `auto` key decided as the trainer
 decides it (`MaxText.planning.auto`), and prints per pipeline group and per device: parameters,
-optimizer state, gradient accumulators, peak activations, XLA temporaries and the total peak;
+optimizer state, gradient accumulators, peak activations, XLA temporaries and the total peak
+(a GPU plan that does not fit by XLA:CPU's temporaries is judged by the per-layer bound where
+that is smaller, and says so: `MaxText.planning.layer_bound`);
 then the predicted step time, bubble and MFU, the stage split (even vs auto side by side) and the
 remat policy of each stage.
 

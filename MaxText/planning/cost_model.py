@@ -19,7 +19,10 @@ From the compiled program they read, per pipeline group and per device:
 - the cost model the `auto` keys decide with (`Plan.stage_costs`, `Plan.baseline`).
 
 Temporaries come from the backend that compiles the plan: on a CPU host that is XLA:CPU, a proxy
-for the accelerator's compiler (usually larger: XLA:CPU reuses scratch buffers less). A `Plan` is
+for the accelerator's compiler (usually larger: XLA:CPU reuses scratch buffers less, and overlaps
+the layers of an unrolled stage). A plan for other hardware that does not fit by them is judged,
+group by group, by the per-layer bound where that is smaller (`judge_temporaries`,
+`MaxText.planning.layer_bound`). A `Plan` is
 data (`Plan.as_json`); `MaxText.planning.auto` decides the `auto` keys from plans, `MaxText.plan` is
 the command line.
 """
