@@ -323,10 +323,13 @@ def gradient_communication(compiled, groups) -> dict:
     from jaxpp_integration.tools.collectives import program_collectives
 
     choice = compiled.reduction_choice
+    cache: dict = {}  # each program's HLO read once for both counts
     counts = program_collectives(
-        compiled, where=lambda code: code.kind == "loop" or code.name.startswith("reduce_")
+        compiled,
+        where=lambda code: code.kind == "loop" or code.name.startswith("reduce_"),
+        cache=cache,
     )
-    in_loop = program_collectives(compiled, where=lambda code: code.kind == "loop")
+    in_loop = program_collectives(compiled, where=lambda code: code.kind == "loop", cache=cache)
     kinds = ("all-reduce", "reduce-scatter")
     return {
         "in_loop_tasks": {
