@@ -25,10 +25,11 @@ new `scan`: a per-layer weight gradient leaves the backward scan as a partial su
 gradient carried across trips is carried partial, so nothing deferred is reduced inside the
 loop (`_scan`). `while`/`cond` bodies are left alone (their outputs are reduced where made).
 
-`finish` hooks let the caller transform an output right where it is made (`reduction_plan`:
-the per-microbatch reduce-scatter over fsdp of `gradient_reduction="auto"`). The same row
-tracking answers the program builder's sharding questions (`seed_rows`, used by
-`reduction_plan`).
+`finish` hooks (`Finish`) let the caller transform an output right where it is made
+(`reduction_plan`: the per-microbatch reduce-scatter over fsdp of `gradient_reduction="auto"`);
+for an output a scan stacks (a layer stack's weight gradient), "where it is made" is the scan's
+body: the hook's `per_layer` form runs there on each trip's slice, so one layer's full-size
+partial exists at a time, never the stack. Which dimension holds the rows: `rows.py`.
 """
 
 from __future__ import annotations
