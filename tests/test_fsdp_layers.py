@@ -229,7 +229,8 @@ def test_plan_judged_by_the_per_layer_bound_only_where_the_host_overlaps_layers(
     count full size (the small llama layer: q, k, v, out, three MLP matrices, two norms = 9280
     float32 = 37,120 B each). A plan for an H100 compiled by XLA:CPU that does not fit: a group
     whose temporaries exceed the bound is judged by it (temporaries = the bound, peak = live
-    peak + bound, XLA:CPU's figure kept), a group below it is left as measured. Nothing is
+    peak + bound, XLA:CPU's figure kept), a group below it is left as measured; the
+    temporaries of tasks outside the loop are not the bound's to judge. Nothing is
     judged when the plan fits, nor for the host's own hardware (its compiler is the one that
     runs)."""
     import dataclasses
@@ -257,13 +258,22 @@ def test_plan_judged_by_the_per_layer_bound_only_where_the_host_overlaps_layers(
     over = cost_model.GroupPlan(0, 1, 1, 1, 1, 5 * total, live + 5 * total, live)
     under = cost_model.GroupPlan(1, 1, 1, 1, 1, total // 2, live + total // 2, live)
     h100 = dataclasses.replace(HARDWARE["h100"], memory_bytes=live + 2 * total)
-    judged, got = cost_model.judge_temporaries(config, h100, [over, under])
+    judged, got = cost_model.judge_temporaries(config, h100, [over, under], [0, 0])
     assert got == bound
     assert judged[0] == dataclasses.replace(
         over, temp_bytes=total, peak_bytes=live + total, xla_temp_bytes=5 * total
     )
     assert judged[1] == under
+    # a task outside the loop (a once-per-step reduction, the optimizer) keeps its own figure
+    judged, _ = cost_model.judge_temporaries(config, h100, [over, under], [2 * total, 0])
+    assert (judged[0].temp_bytes, judged[0].peak_bytes) == (2 * total, live + 2 * total)
     roomy = dataclasses.replace(h100, memory_bytes=live + 6 * total)
-    assert cost_model.judge_temporaries(config, roomy, [over, under]) == ([over, under], None)
+    assert cost_model.judge_temporaries(config, roomy, [over, under], [0, 0]) == (
+        [over, under],
+        None,
+    )
     host = dataclasses.replace(cpu_hardware(2), memory_bytes=live + 2 * total)
-    assert cost_model.judge_temporaries(config, host, [over, under]) == ([over, under], None)
+    assert cost_model.judge_temporaries(config, host, [over, under], [0, 0]) == (
+        [over, under],
+        None,
+    )

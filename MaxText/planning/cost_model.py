@@ -264,7 +264,11 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     costs = Costs(transfer=transfer_bytes / (hardware.link_gbps * GB), per_task=per_task or None)
     sim = simulate(schedule, config.num_pipeline_microbatches, costs)
     step_time = sim.makespan + max(outside)
-    groups, bound = judge_temporaries(config, hardware, groups)
+    outside_temps = [
+        max((t.temp_bytes for t in report.tasks_of(r) if t.kind != "loop"), default=0)
+        for r in range(n)
+    ]
+    groups, bound = judge_temporaries(config, hardware, groups, outside_temps)
     out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
     stage_costs = _stage_costs(config, schedule, per_task, groups, layer_params)
     baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
@@ -282,12 +286,14 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     )
 
 
-def judge_temporaries(config, hardware: Hardware, groups: list):
+def judge_temporaries(config, hardware: Hardware, groups: list, outside_temps: list):
     """(groups, per-layer bound or None): when the plan does not fit by XLA:CPU's temporaries
-    and is for other hardware (a GPU preset planned on a CPU host), each group whose
-    temporaries exceed the per-layer bound (`layer_bound`, one bound per remat policy of the
-    stages, the largest) is judged by the bound: its temporaries become the bound and its peak
-    the live peak plus the bound (at most the measured peak)."""
+    and is for other hardware (a GPU preset planned on a CPU host), each group whose loop
+    tasks' temporaries exceed the per-layer bound (`layer_bound`, one bound per remat policy of
+    the stages, the largest) is judged by the bound there: its temporaries become the larger of
+    the bound and those of its tasks outside the loop (`outside_temps[g]`: before-loop work,
+    the once-per-step reductions, the optimizer, which the bound does not describe), its peak
+    the live peak plus those (at most the measured peak)."""
     import jax
 
     from MaxText.planning import layer_bound as lb
@@ -299,8 +305,8 @@ def judge_temporaries(config, hardware: Hardware, groups: list):
     bounds = {p: lb.layer_bound(config, p) for p in policies}
     bound = max(bounds.values(), key=lambda b: b.total_bytes)
     judged = []
-    for g in groups:
-        temp = lb.judged_temp(g.temp_bytes, bound)
+    for g, outside in zip(groups, outside_temps):
+        temp = max(lb.judged_temp(g.temp_bytes, bound), outside)
         if temp < g.temp_bytes:
             g = dataclasses.replace(
                 g,
