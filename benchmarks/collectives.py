@@ -26,7 +26,8 @@ the plan fits.
   (`MaxText/planning/layer_bound.py`; the row keeps XLA:CPU's figure and the bound).
 
 Writes `benchmarks/results/collectives.json` and prints the table of benchmarks/README.md.
-`--quick`: m = 4 only and no 70B rows (a check that the script works).
+`--quick`: m = 4 only and no 70B rows (a check that the script works). `--only 70b` (or
+`tiny`): those rows only, the others kept from the existing results.
 """
 
 from __future__ import annotations
@@ -157,20 +158,26 @@ def _memory(row: dict, fmt) -> str:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="m=4 only, no Llama 2 70B rows")
+    parser.add_argument("--only", choices=("tiny", "70b"), default=None)
     args = parser.parse_args()
     from MaxText.cluster import devices
 
     devices.setup(num_devices=8)
     t0 = time.perf_counter()
     rows = []
-    for name, keys in MESHES.items():
+    kept = json.loads(OUT.read_text())["rows"] if args.only else []
+    if args.only == "70b":
+        rows = [r for r in kept if r["config"].startswith("tiny")]
+    for name, keys in MESHES.items() if args.only != "70b" else ():
         for m in (4,) if args.quick else (4, 8, 16):
             for mode in MODES:
                 row = {"config": f"tiny {name}", "m": m, "mode": mode}
                 row.update(summary(plan_tiny(keys, m, mode)))
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
-    if not args.quick:
+    if args.only == "tiny":
+        rows += [r for r in kept if not r["config"].startswith("tiny")]
+    elif not args.quick:
         for mode in MODES:
             row = {"config": "llama2-70b pp8 fsdp8 (H100)", "m": 16, "mode": mode}
             row.update(summary(plan_70b(mode)))
