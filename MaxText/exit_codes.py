@@ -14,13 +14,15 @@
 carries `prefix` and `exit_code` class attributes (every `UserError`: `ConfigError`,
 `CheckpointError`, `PathError`; `DataError`; `StorageError`, ...) is printed as one line
 `<prefix>: <first line of the message>` on stderr and its code returned; Ctrl-C outside a handled
-loop is one line and 130; any other exception is a bug and keeps its traceback.
+loop is one line and 130; any other exception is a bug and keeps its traceback. A tool's flags are
+parsed by `ArgumentParser`, whose usage errors are one line too (exit 2).
 
 This module is standard library only, so every layer of the trainer can use it.
 """
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import traceback
@@ -66,6 +68,15 @@ def report(e: BaseException, *, debug: bool = False) -> int | None:
         traceback.print_exception(e)
     print(f"{type(e).prefix}: {first_line(e)}", file=sys.stderr, flush=True)
     return code
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (`usage error: <what>; see <prog>
+    --help`) and exit code 2, instead of argparse's usage block."""
+
+    def error(self, message: str):
+        print(f"usage error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR)
 
 
 def run(body: Callable[[], int], *, debug: bool = False) -> int:

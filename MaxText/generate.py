@@ -19,8 +19,10 @@ whole buffer rerun per token), the reference the cached path is tested against.
 `decode_sampling_strategy`: greedy | weighted (softmax of logits / decode_sampling_temperature) |
 topk (the decode_sampling_top_k largest logits, then weighted); `seed=` seeds the sampling.
 
-stdout gets the prompt and its continuation; logs go to stderr. Exit code 2 for a config error
-(no checkpoint, a prompt too long, ...).
+stdout gets the prompt and its continuation; logs go to stderr. Exit code 2 for a config error,
+found before the weights are read: no checkpoint; a prompt too long, empty without BOS, or with ids
+beyond the model's vocabulary; a converted checkpoint that records no tokenizer (give
+`tokenizer_path=`; a tokenizer trained on the corpus would not be the model's).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from MaxText import exit_codes
 from MaxText.checkpoint import manager as checkpointing
 from MaxText.cluster import devices, xla_flags
 from MaxText.config import ALIASES, Config, ConfigError, load_config
-from MaxText.config.checkpoint_keys import MODEL_KEYS
-from MaxText.model import Decoder, init_cache
+from MaxText.config.checkpoint_keys import MODEL_KEYS, require_tokenizer
+from MaxText.model import Decoder, family_of, init_cache
 
 log = logging.getLogger("MaxText")
 
@@ -64,6 +66,7 @@ SAVED_KEYS = (
     "grain_train_files",
     "grain_eval_files",
     "eval_split_fraction",
+    "chat_template",
 )
 # Generation runs on one device: these keys are forced, whatever the command line says.
 ONE_DEVICE = {
@@ -96,6 +99,8 @@ _IGNORED = {*ONE_DEVICE, "pipeline_parallelism"}
 def _token(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return f"{key}={'true' if value else 'false'}"
+    if isinstance(value, list | tuple):  # a list key: YAML's flow sequence
+        return f"{key}=[{', '.join(str(x) for x in value)}]"
     return f"{key}={value}"
 
 
@@ -116,7 +121,7 @@ def generation_config(argv: Sequence[str]) -> tuple[Config, str]:
 def make_sampler(config: Config, vocab_limit: int, banned: Sequence[int]):
     """(logits_V, key) -> the sampled token id (int32), by `decode_sampling_strategy`."""
     strategy = config.decode_sampling_strategy
-    temperature = max(config.decode_sampling_temperature, 1e-6)
+    temperature = config.decode_sampling_temperature  # > 0 (the key's bound)
     mask_V = np.zeros((config.vocab_size,), np.float32)
     mask_V[vocab_limit:] = -np.inf  # ids the tokenizer cannot decode (a padded model vocab)
     for i in banned:
@@ -178,6 +183,7 @@ def sample_tokens(
     banned: Sequence[int] = (),
     eos_id: int = -1,
     kv_cache: bool = True,
+    eos_ids: Sequence[int] = (),
 ) -> list[int]:
     """The ids generated after `prompt_ids`, up to `max_predict_length` tokens in all or EOS.
 
@@ -187,6 +193,7 @@ def sample_tokens(
     buffer (the reference loop; attention is causal, so the unused tail does not change the
     logits at the current position). Both sample token t with `fold_in(key(seed), t)`."""
     full_step, prefill, decode = decoding_programs(config, vocab_limit, tuple(banned))
+    stop = {int(eos_id), *(int(i) for i in eos_ids)} - {-1}  # any of them ends the reply
     key = jax.random.key(config.seed)
     length = config.max_predict_length
     t = len(prompt_ids)
@@ -196,7 +203,7 @@ def sample_tokens(
         tokens[0, :t] = prompt_ids
         while t < length:
             token = int(full_step(params, tokens, t, jax.random.fold_in(key, t)))
-            if token == eos_id:
+            if token in stop:
                 break
             tokens[0, t] = token
             out.append(token)
@@ -208,7 +215,7 @@ def sample_tokens(
     token, cache = prefill(params, prompt, t, jax.random.fold_in(key, t))
     while t < length:
         token = int(token)
-        if token == eos_id:
+        if token in stop:
             break
         out.append(token)
         t += 1
@@ -217,23 +224,45 @@ def sample_tokens(
     return out
 
 
-def generate(
-    config: Config, params: Any, tokenizer: Any, prompt: str, kv_cache: bool = True
-) -> str:
-    """The prompt followed by its sampled continuation, as text."""
+def encode_prompt(config: Config, tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt's ids (`[bos] + tokens`), refused in one line when there is nothing to continue
+    (an empty prompt without BOS would sample from padding), when an id is beyond the model's
+    vocabulary (a tokenizer that is not the model's), or when it or the output is too long."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 and config.add_bos else []
     prompt_ids = bos + list(tokenizer.encode(prompt))
+    if not prompt_ids:
+        why = "add_bos=false" if not config.add_bos else "the tokenizer has no BOS id"
+        raise ConfigError(
+            f"the prompt is empty and {why}: there is nothing to continue; give prompt=<text>"
+            + (" or add_bos=true" if not config.add_bos else "")
+        )
+    beyond = sorted({i for i in prompt_ids if not 0 <= i < config.vocab_size})
+    if beyond:
+        raise ConfigError(
+            f"the prompt has token ids {beyond[:3]} >= vocab_size={config.vocab_size}: the "
+            f"tokenizer ({tokenizer.vocab_size} ids) is not this model's; give the model's own "
+            f"tokenizer_path="
+        )
     if len(prompt_ids) > config.max_prefill_predict_length:
         raise ConfigError(
             f"the prompt is {len(prompt_ids)} tokens but max_prefill_predict_length="
             f"{config.max_prefill_predict_length}; shorten it or raise max_prefill_predict_length"
         )
     length = config.max_predict_length
-    if config.decoder_block == "gpt" and length > config.max_target_length:
+    if not family_of(config).rope and length > config.max_target_length:
         raise ConfigError(
             f"max_predict_length={length} exceeds the {config.max_target_length} learned positions "
             f"of decoder_block=gpt; use max_predict_length <= {config.max_target_length}"
         )
+    return prompt_ids
+
+
+def generate(
+    config: Config, params: Any, tokenizer: Any, prompt: str, kv_cache: bool = True
+) -> str:
+    """The prompt followed by its sampled continuation, as text."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 and config.add_bos else []
+    prompt_ids = encode_prompt(config, tokenizer, prompt)
     banned = [i for i in (tokenizer.pad_id, tokenizer.bos_id) if i >= 0]
     new = sample_tokens(
         config,
@@ -245,6 +274,37 @@ def generate(
         kv_cache=kv_cache,
     )
     return tokenizer.decode([int(i) for i in [*prompt_ids[len(bos) :], *new]])
+
+
+def chat_reply(config: Config, params: Any, tokenizer: Any, kv_cache: bool = True) -> str:
+    """The assistant's reply to `chat_prompt_file`'s messages, rendered with the checkpoint's
+    chat template and its generation prompt (`MaxText/data/chat_template.py`); sampling stops at
+    any `eos_token_id` of the checkpoint's generation_config.json (or the tokenizer's EOS)."""
+    from MaxText.data import chat_files
+
+    folder = chat_files.tokenizer_folder(config)
+    messages = chat_files.read_prompt_messages(config.chat_prompt_file)
+    template = chat_files.run_template(config, folder, tokenizer)
+    text = template.render(messages, add_generation_prompt=True)
+    prompt_ids = list(tokenizer.encode(text))
+    if len(prompt_ids) > config.max_prefill_predict_length:
+        raise ConfigError(
+            f"the rendered chat prompt is {len(prompt_ids)} tokens but max_prefill_predict_length="
+            f"{config.max_prefill_predict_length}; shorten it or raise max_prefill_predict_length"
+        )
+    eos_ids = chat_files.generation_eos_ids(folder)
+    banned = [i for i in (tokenizer.pad_id, tokenizer.bos_id) if i >= 0 and i not in eos_ids]
+    new = sample_tokens(
+        config,
+        params,
+        prompt_ids,
+        vocab_limit=min(tokenizer.vocab_size, config.vocab_size),
+        banned=banned,
+        eos_id=tokenizer.eos_id,
+        eos_ids=eos_ids,
+        kv_cache=kv_cache,
+    )
+    return tokenizer.decode([int(i) for i in new])
 
 
 def abstract_params(config: Config) -> Any:
@@ -269,8 +329,7 @@ def main(argv: Sequence[str]) -> int:
 def _generate(argv: Sequence[str]) -> int:
     try:
         config, source = generation_config(argv)
-        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
-        config, _ = devices.start(config)
+        require_tokenizer(config, source)  # a converted model that records none: refused
         if config.tokenizer_path:  # a tokenizer file (e.g. a converted Hugging Face model's)
             from MaxText.data.tokenizer import load_tokenizer
 
@@ -279,9 +338,15 @@ def _generate(argv: Sequence[str]) -> int:
             from MaxText.data import make_data
 
             tokenizer = make_data(config).tokenizer
+        encode_prompt(config, tokenizer, config.prompt)  # refused before any device starts
+        xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
+        config, _ = devices.start(config)
         params, restored = checkpointing.load_params(source, abstract_params(config), config)
         params = jax.device_put(params, jax.devices()[0])
-        text = generate(config, params, tokenizer, config.prompt)
+        if config.use_chat_template:
+            text = chat_reply(config, params, tokenizer)
+        else:
+            text = generate(config, params, tokenizer, config.prompt)
     except ValueError as e:  # e.g. a prompt the tokenizer cannot encode
         if exit_codes.exit_code_of(e) is not None:
             raise  # config, data and path errors: their own line (exit_codes.run)

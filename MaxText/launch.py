@@ -2,9 +2,11 @@
 
     python -m MaxText.launch --num_processes 2 -- configs/base.yml pipeline_parallelism=2 ...
 
-Picks a free port, starts `python train.py ARGS coordinator_address=127.0.0.1:PORT
-num_processes=N process_id=i` for each i, prefixes every output line with `[pI]`, and, when one
-process fails, stops the others and exits with that process's code. On a cluster, run `train.py`
+Picks a free port, checks the config once (every rule that does not depend on the host's devices;
+a refusal is one `config error:` line on stderr, exit 2, and no process starts), starts
+`python train.py ARGS coordinator_address=127.0.0.1:PORT num_processes=N process_id=i` for each i,
+prefixes every output line with `[pI]`, and, when one process fails, stops the others and exits
+with that process's code. Usage errors are one line on stderr, exit 2. On a cluster, run `train.py`
 once per host yourself with the same three keys instead (see docs/cluster.md, "Running on several
 hosts").
 
@@ -19,7 +21,6 @@ Exit codes: `MaxText/exit_codes.py`.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -67,15 +68,26 @@ def _parent_death_signal():
     return lambda: prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
+def trainer_args(train_args: list[str], port: int, num_processes: int, i: int) -> list[str]:
+    """The arguments of trainer `i`: the user's, then the three keys of the launch."""
+    return [
+        *train_args,
+        f"coordinator_address=127.0.0.1:{port}",
+        f"num_processes={num_processes}",
+        f"process_id={i}",
+    ]
+
+
 def launch(
     num_processes: int,
     train_args: list[str],
     *,
     timeout: float | None = None,
     script: Path = ROOT / "train.py",
+    port: int | None = None,
 ) -> int:
     """Runs `script` (the trainer) N times; returns the exit code (see the module docstring)."""
-    port = free_port()
+    port = port or free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
     received: list[int] = []
@@ -91,14 +103,7 @@ def launch(
     die_with_parent = _parent_death_signal()
     try:
         for i in range(num_processes):
-            cmd = [
-                sys.executable,
-                str(script),
-                *train_args,
-                f"coordinator_address=127.0.0.1:{port}",
-                f"num_processes={num_processes}",
-                f"process_id={i}",
-            ]
+            cmd = [sys.executable, str(script), *trainer_args(train_args, port, num_processes, i)]
             procs.append(
                 subprocess.Popen(
                     cmd,
@@ -152,8 +157,25 @@ def _supervise(procs: list[subprocess.Popen], received: list[int], timeout: floa
     return code
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m MaxText.launch")
+def check_config(train_args: list[str], port: int, num_processes: int) -> int:
+    """The trainers' config, checked once here before any process starts: every rule that does
+    not depend on the host's devices (`load_config` starts no backend), with the keys the
+    trainers will get. A refusal is one `config error:` line, not one per process."""
+    from MaxText.config import load_config
+
+    for i in range(num_processes):  # the keys differ only by process_id
+        load_config(trainer_args(train_args, port, num_processes, i))
+    return exit_codes.OK
+
+
+def _parser() -> exit_codes.ArgumentParser:
+    from MaxText.config import tool_help
+
+    parser = exit_codes.ArgumentParser(
+        prog="python -m MaxText.launch",
+        usage=tool_help.usage("MaxText.launch"),
+        description=tool_help.TOOLS["MaxText.launch"].about,
+    )
     parser.add_argument(
         "--num_processes", type=int, required=True, help="trainer processes to start (>= 1)"
     )
@@ -165,20 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from MaxText.config import tool_help
 
+    parser = _parser()
     if (words := tool_help.requested(argv)) is not None:  # --help before `--`: its own options
-        parser = _parser()
-        parser.usage = tool_help.usage("MaxText.launch")
-        parser.description = tool_help.TOOLS["MaxText.launch"].about
         return tool_help.show("MaxText.launch", words, parser.format_help())
     if "--" not in argv:
-        print("usage: python -m MaxText.launch --num_processes N -- CONFIG.yml [key=value ...]")
-        return exit_codes.USER_ERROR
+        parser.error("no `--` before the trainer's arguments")
     split = argv.index("--")
-    opts = _parser().parse_args(argv[:split])
+    opts = parser.parse_args(argv[:split])
     if opts.num_processes < 1:
-        print("--num_processes must be at least 1")
-        return exit_codes.USER_ERROR
-    return launch(opts.num_processes, argv[split + 1 :], timeout=opts.timeout)
+        parser.error(f"--num_processes must be at least 1, got {opts.num_processes}")
+    train_args = argv[split + 1 :]
+    if not train_args:
+        parser.error("nothing after `--`; give the trainer's CONFIG.yml [key=value ...]")
+    port = free_port()
+    code = exit_codes.run(lambda: check_config(train_args, port, opts.num_processes))
+    if code != exit_codes.OK:
+        return code
+    return launch(opts.num_processes, train_args, timeout=opts.timeout, port=port)
 
 
 if __name__ == "__main__":

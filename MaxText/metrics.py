@@ -70,6 +70,17 @@ def format_line(record: dict[str, Any], total_steps: int, mfu_estimate: bool) ->
         f"lr {record['learning_rate']:.2e}",
         f"grad_norm {record['grad_norm']:.3f}",
     ]
+    if "trained_tokens" in record:  # use_sft / use_dpo: the tokens the loss counts
+        parts.append(f"trained tokens {record['trained_tokens']:,.0f}")
+    for key, name in (("examples_truncated", "truncated"), ("examples_dropped", "dropped")):
+        if record.get(key):
+            parts.append(f"{record[key]:,} examples {name}")
+    if "dpo_reward_accuracy" in record:
+        parts.append(
+            f"rewards chosen {record['dpo_chosen_reward']:+.4f} rejected "
+            f"{record['dpo_rejected_reward']:+.4f} margin {record['dpo_reward_margin']:+.4f} "
+            f"accuracy {record['dpo_reward_accuracy']:.3f}"
+        )
     if "eval_loss" in record:
         parts.append(f"eval_loss {record['eval_loss']:.4f}")
     return " | ".join(parts)

@@ -97,10 +97,10 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> exit_codes.ArgumentParser:
     from MaxText.config import tool_help
 
-    parser = argparse.ArgumentParser(
+    parser = exit_codes.ArgumentParser(
         prog="python -m MaxText.plan",
         usage=tool_help.usage("MaxText.plan"),
         description=tool_help.TOOLS["MaxText.plan"].about,
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if (words := tool_help.requested(argv)) is not None:  # --help [WORD]: flags and keys
         return tool_help.show("MaxText.plan", words, _parser().format_help())
-    args, rest = _parser().parse_known_args(argv)  # a bad flag: one usage line, exit 2
+    args, rest = _parser().parse_known_args(argv)  # a bad flag: one `usage error:` line, exit 2
     return exit_codes.run(lambda: _plan(args, rest))
 
 

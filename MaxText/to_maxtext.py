@@ -30,11 +30,15 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _convert(argv: Sequence[str]) -> int:
-    from MaxText.cluster.output_paths import writable_dir
+    from MaxText.checkpoint.parameters import check_new_step
+    from MaxText.cluster.output_paths import creatable_dir
     from MaxText.convert import importer
+    from MaxText.convert.checks import load_checked_tokenizer
 
     config, folder = importer.import_config(argv)
-    writable_dir(config.base_output_directory, "base_output_directory")  # before reading tensors
+    load_checked_tokenizer(config)  # the tokenizer the checkpoint will record
+    out = creatable_dir(config.base_output_directory, "base_output_directory")  # nothing made
+    check_new_step(out, 0)
     importer.convert(config, folder)
     return 0
 

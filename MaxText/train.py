@@ -16,6 +16,8 @@ the last step) it logs a richer line and a metrics.jsonl record; every `eval_int
 at the end it evaluates on the held-out split; a NaN or infinite loss aborts with the step number
 and the newest checkpoint on disk.
 
+`steps=0` exits 0 at once, before any device starts or anything is compiled.
+
 Exit codes (`MaxText/exit_codes.py`): config, data and path errors exit 2 with one line, before
 anything is compiled (paths: `MaxText/cluster/output_paths.py`); a NaN loss or a storage failure
 during the run exits 1 with one line; SIGTERM / SIGINT save the step in flight and exit 143 / 130
@@ -42,13 +44,23 @@ from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.cluster.output_paths import check_run_paths, os_reason
 from MaxText.cluster.preemption import StoppedBeforeStart, StopRequests
 from MaxText.config import Config, load_config
+from MaxText.config.checkpoint_keys import require_tokenizer
+from MaxText.data.doc_packing import COUNT_KEYS
 from MaxText.errors import StorageError
 from MaxText.metrics import MetricsLogger, setup_logging
 from MaxText.model import count_params
 from MaxText.planning import flops
 from MaxText.profiling import Profiler
 from MaxText.step_clock import StepClock
-from MaxText.train_step import Trainer, build_trainer, evaluate, measured_train_step
+from MaxText.train_step import (
+    METRIC_KEYS as STEP_METRICS,
+)
+from MaxText.train_step import (
+    Trainer,
+    build_trainer,
+    evaluate,
+    measured_train_step,
+)
 
 log = logging.getLogger("MaxText")
 
@@ -69,9 +81,16 @@ class Stopped(BaseException):  # noqa: N818 (not an error: the run stopped as as
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    # fetch: under several processes the metrics live on the last pipeline group's process and
-    # are broadcast, so every process logs and checks for NaN alike
-    return {k: float(v) for k, v in jaxpp.fetch(metrics).items()}
+    """A step's metrics as read back (`jaxpp.fetch_later(...).result()`: every process gets the
+    same values, so each logs and checks for NaN alike) -> floats."""
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _read_every(config: Config) -> int:
+    """How many steps' metrics are read back together: 1 in one process (a read is local), a
+    log period under several processes, where the values travel to every process in one
+    collective per read (`jaxpp.fetch_later`), not one per step."""
+    return 1 if jax.process_count() == 1 else max(1, config.log_period)
 
 
 def run(
@@ -87,6 +106,8 @@ def run(
     checkpoints = Checkpoints(config, trainer)
     try:
         state = checkpoints.restore_or_init(data)
+        if config.use_dpo:  # the frozen reference: the parameters the run started from
+            trainer.train_step.set_reference(checkpoints.starting_params())
     except BaseException:
         checkpoints.close()
         raise
@@ -126,6 +147,7 @@ class _Loop:
         self.measured_peaks: list | None = None  # written into the first logged record
         self.profiler: Profiler | None = None
         self.clock = StepClock()
+        self.example_counts: dict[str, int] = {}  # chat data: examples truncated / dropped
 
     def log_start(self) -> None:
         """The run's opening lines: data, model, mesh and compile, memory."""
@@ -135,7 +157,7 @@ class _Loop:
             info(data_info.summary())
         step_flops = self.step_flops
         info(
-            f"model: {config.model_name} ({config.decoder_block}), "
+            f"model: {model_description(config)}, "
             f"{count_params(self.state['params']):,} parameters; "
             f"{step_flops.total / 1e12:.3f} TFLOP per step "
             f"({100 * step_flops.weights / step_flops.total:.0f}% weights, "
@@ -181,10 +203,14 @@ class _Loop:
         self.profiler = Profiler(config, self.start, self.logger.info)
         stops.on_stop_now = lambda: _stop_now(self.data, checkpoints)
         train_iter = iter(self.data.train)
-        pending: tuple[int, dict[str, Any]] | None = None
+        pending: list[tuple[int, dict[str, Any]]] = []  # dispatched, their read not started
+        reading: tuple[list, Any] | None = None  # (steps, their read started, not finished)
+        every = _read_every(config)
         stops.loop_started()
         for step in range(self.start + 1, config.steps + 1):
-            batch = trainer.put_batch(next(train_iter))
+            rows = next(train_iter)
+            self.count_examples(rows)
+            batch = trainer.put_batch(rows)
             step_kwargs = self.profiler.step_kwargs(step)  # starts the trace; engine timing
             clock.dispatching()
             if step == self.start + 1:  # peak bytes per group, measured once (program events)
@@ -196,21 +222,25 @@ class _Loop:
             clock.dispatched(step, metrics)
             stopping = stops.should_stop(step)
             final = step == config.steps
-            # Step N's metrics are read after step N+1 is dispatched (no per-step host sync),
-            # except where the host must know them now: before evaluating, before saving (a
-            # NaN state is never written, and the next step may donate this one's buffers),
-            # and at the end.
+            # Step N's metrics are read after step N+1 is dispatched (no per-step host sync;
+            # several processes: the reads of a log period's steps start together, after its
+            # last step's dispatch), except where the host must know them now: before
+            # evaluating, before saving (a NaN state is never written, and the next step may
+            # donate this one's buffers), and at the end.
             evaluate_now = config.eval_interval > 0 and (step % config.eval_interval == 0 or final)
             saving = stopping or checkpoints.should_save(step, final)
-            if pending is not None:
-                self.finish(*pending, evaluate_now=False)
-                pending = None
+            pending.append((step, metrics))
+            if reading is not None:
+                self.finish_read(*reading)
+                reading = None
             # stopping the trace (and drawing the timeline) is not charged to this step
             clock.exclude(self.profiler.after_step(step, (self.state, metrics), trainer.train_step))
+            if evaluate_now or saving or final or len(pending) >= every:
+                reading = (pending, jaxpp.fetch_later([m for _, m in pending]))
+                pending = []
             if evaluate_now or saving or final:
-                self.finish(step, metrics, evaluate_now=evaluate_now)
-            else:
-                pending = (step, metrics)
+                self.finish_read(*reading, evaluate_now=evaluate_now)
+                reading = None
             checkpoints.check()  # a background save that failed stops the run now
             if stopping:
                 raise _stop(step, self.state, self.data, checkpoints, stops)
@@ -220,11 +250,24 @@ class _Loop:
         if gaps:
             self.logger.info(gaps)
 
-    def finish(self, step: int, metrics: dict[str, Any], evaluate_now: bool) -> None:
-        """Reads step `step`'s metrics (blocking until it has finished), checks the loss,
-        prints MaxText's step line, evaluates if asked and writes a record when one is due."""
+    def count_examples(self, rows: dict[str, np.ndarray]) -> None:
+        """Adds the chat/preference examples this process's rows say were cut to fit a row or
+        left out (`sft_truncation`) to the run's totals (logged from the first such count)."""
+        for key in COUNT_KEYS:
+            if key in rows:
+                self.example_counts[key] = self.example_counts.get(key, 0) + int(rows[key].sum())
+
+    def finish_read(self, steps: list, read: Any, evaluate_now: bool = False) -> None:
+        """Finishes `steps` ((step, metrics) pairs) with their metrics' read `read` (blocking
+        until the last of them has finished); evaluates after the last if asked."""
+        for (step, _), metrics in zip(steps, read.result(), strict=True):
+            last = step == steps[-1][0]
+            self.finish(step, _scalars(metrics), evaluate_now=evaluate_now and last)
+
+    def finish(self, step: int, values: dict[str, float], evaluate_now: bool) -> None:
+        """Checks step `step`'s loss (its metrics `values`, read back), prints MaxText's step
+        line, evaluates if asked and writes a record when one is due."""
         config = self.config
-        values = _scalars(metrics)
         seconds = self.clock.step_seconds(step)
         self.window.append(seconds)
         if not math.isfinite(values["loss"]):
@@ -268,8 +311,12 @@ class _Loop:
             "learning_rate": values["learning_rate"],
             "total_weights": values["tokens"],
             "tokens": values["tokens"],
+            **{k: v for k, v in values.items() if k not in STEP_METRICS},  # DPO's rewards
             **evaluated,
         }
+        if config.use_sft or config.use_dpo:  # the tokens the loss counts: assistant / response
+            record["trained_tokens"] = values["tokens"]
+            record.update(self.example_counts)
         if self.measured_peaks is not None:
             record["peak_bytes_per_group"] = self.measured_peaks
             self.measured_peaks = None
@@ -310,6 +357,19 @@ def _stop(step: int, state: Any, data: Any, checkpoints: Checkpoints, stops: Sto
     else:
         where = "enable_checkpointing=false, nothing saved"
     return Stopped(f"{why}: stopped after step {step}; {where}; exit code {code}", code)
+
+
+def model_description(config: Config) -> str:
+    """The preset's name, or, for a model loaded from `load_parameters_path` (whose keys may
+    override the default preset's), its shapes."""
+    block = config.decoder_block
+    if not config.load_parameters_path:
+        return f"{config.model_name} ({block})"
+    return (
+        f"{block}, {config.num_decoder_layers} layers, emb_dim {config.emb_dim}, "
+        f"{config.num_query_heads}/{config.num_kv_heads} heads of {config.head_dim}, mlp_dim "
+        f"{config.mlp_dim}, vocab {config.vocab_size} (from load_parameters_path)"
+    )
 
 
 def _close_data(data: Any) -> None:
@@ -361,6 +421,10 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
     try:
         config = load_config(argv)
         debug = config.debug_tracebacks
+        if config.steps == 0:
+            log.info("steps=0: nothing to train (set steps= to the step to train up to)")
+            return exit_codes.OK
+        require_tokenizer(config)  # from a converted checkpoint: its own tokenizer, never a new one
         xla_flags.apply_gpu_defaults(config.hardware)  # before the backend starts
         config, devs = devices.start(config)  # processes and -1 axes decided, devices ready
         gpu_host.check_backend(

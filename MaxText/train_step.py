@@ -24,6 +24,11 @@ Metrics (MaxText's names): `loss` (mean over counted tokens), `raw_grad_norm` (b
 leaves), `learning_rate` (the rate this step applied), `tokens` (counted target tokens, MaxText's
 `total_weights`).
 
+With `use_dpo` the step is `dpo_step.py`'s, `(state, batch, reference) -> (state, metrics)`; the
+trainer binds the reference parameters (`ReferenceStep`), so the loop calls every step alike.
+Chat fine-tuning (`use_sft`) needs nothing here: its rows' `targets_mask` marks the assistant's
+tokens, and the loss is already the mean over the batch's counted tokens.
+
 SPMD (one pipeline group): `jax.jit` with in/out shardings from the logical-axis rules.
 Pipelined: the same function under `jaxpp.mpmd_jit_with_loop` on `MpmdMesh(mesh, "stage")`, with the
 same rules giving the PartitionSpecs over the non-stage axes, and the schedule from
@@ -48,7 +53,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxpp_integration as jaxpp
 from MaxText import sharding
+from MaxText.cluster import gpu_host
 from MaxText.config import Config
+from MaxText.dpo_step import DPO_METRIC_KEYS, ReferenceStep, make_dpo_train_step
 from MaxText.model import Decoder, canonical_init, cross_entropy_sums, init_params
 
 log = logging.getLogger(__name__)
@@ -300,11 +307,12 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     batch_sharding = NamedSharding(mesh, sharding.batch_spec())
     batch_shardings = {k: batch_sharding for k in batch_keys(config)}
     replicated = NamedSharding(mesh, PartitionSpec())
-    step = make_train_step(config, model, optimizer, lr_schedule, schedule=None)
+    step = step_function(config, model, optimizer, lr_schedule)
+    reference = (state_shardings["params"],) if config.use_dpo else ()
     jitted = jax.jit(
         step,
-        in_shardings=(state_shardings, batch_shardings),
-        out_shardings=(state_shardings, {k: replicated for k in METRIC_KEYS}),
+        in_shardings=(state_shardings, batch_shardings, *reference),
+        out_shardings=(state_shardings, {k: replicated for k in metric_keys(config)}),
         donate_argnums=(0,),
     )
     t0 = time.perf_counter()
@@ -317,8 +325,11 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
         for k, v in batch_shapes(config).items()
     }
+    reference_in = (abstract_in["params"],) if config.use_dpo else ()
     with jax.set_mesh(mesh), sharding.axis_rules():  # activation constraints
-        compiled = jitted.lower(abstract_in, batch_in).compile()
+        compiled = jitted.lower(abstract_in, batch_in, *reference_in).compile()
+    if config.use_dpo:
+        compiled = ReferenceStep(compiled)
     compile_seconds = time.perf_counter() - t0
 
     eval_jitted = jax.jit(
@@ -344,6 +355,30 @@ def _build_spmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     )
 
 
+def step_function(config, model, optimizer, lr_schedule, schedule=None, grad_specs=None):
+    """The pure step: `make_train_step`'s, or with `use_dpo` the DPO step (`dpo_step.py`), which
+    also takes the frozen reference parameters: `(state, batch, reference)`."""
+    if config.use_dpo:
+        keys = batch_keys(config)
+        return make_dpo_train_step(
+            config, model, optimizer, lr_schedule, keys, schedule=schedule, grad_specs=grad_specs
+        )
+    return make_train_step(
+        config, model, optimizer, lr_schedule, schedule=schedule, grad_specs=grad_specs
+    )
+
+
+def metric_keys(config: Config) -> tuple[str, ...]:
+    return (*METRIC_KEYS, *DPO_METRIC_KEYS) if config.use_dpo else METRIC_KEYS
+
+
+def step_inputs(config: Config, abstract_state) -> tuple:
+    """The step's abstract arguments (the planner compiles on these): state and batch, and the
+    reference parameters with use_dpo."""
+    reference = (abstract_state["params"],) if config.use_dpo else ()
+    return (abstract_state, batch_shapes(config), *reference)
+
+
 def pipelined_train_step(
     config, model, optimizer, lr_schedule, specs, mpmd_mesh, device_memory_bytes=None
 ):
@@ -356,13 +391,14 @@ def pipelined_train_step(
     reduction = config.gradient_reduction
     if reduction == "auto" and device_memory_bytes:
         reduction = jaxpp.AutoReduction(device_memory_bytes=device_memory_bytes)
+    reference = (specs["params"],) if config.use_dpo else ()
+    platform = mpmd_mesh.jax_mesh.devices.flat[0].platform
     return jaxpp.mpmd_jit_with_loop(
-        make_train_step(
-            config, model, optimizer, lr_schedule, schedule=schedule, grad_specs=specs["params"]
-        ),
+        step_function(config, model, optimizer, lr_schedule, schedule, specs["params"]),
         mpmd_mesh=mpmd_mesh,
-        in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}),
-        out_specs=(specs, {k: PartitionSpec() for k in METRIC_KEYS}),
+        compile_threads=gpu_host.compile_threads(platform),  # a GPU host's free cores
+        in_specs=(specs, {k: sharding.batch_spec() for k in batch_keys(config)}, *reference),
+        out_specs=(specs, {k: PartitionSpec() for k in metric_keys(config)}),
         donate_argnums=(0,),
         gradient_reduction=reduction,
         pipeline_hang_timeout_s=config.pipeline_hang_timeout_s,
@@ -394,10 +430,14 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     )
     first_state = [init_state()]  # compiling does not consume it: hand it to the loop once
     t0 = time.perf_counter()  # the step's compile alone, as for SPMD (not the initialisation)
+    # DPO: the reference parameters have the parameters' shapes and layout (set by the loop)
+    reference = (first_state[0]["params"],) if config.use_dpo else ()
     with sharding.axis_rules():  # activation constraints: batch-sharded inside each stage
-        compiled = pipelined.compile(first_state[0], example_batch)
+        compiled = pipelined.compile(first_state[0], example_batch, *reference)
     compile_seconds = time.perf_counter() - t0
     log.info("%s", compiled.reduction_choice.describe())
+    if config.use_dpo:
+        compiled = ReferenceStep(compiled)
     fresh_state = init_state
 
     def init_state():

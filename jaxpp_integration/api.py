@@ -31,13 +31,18 @@ from jaxpp_integration.compiler.compile import compile_program
 from jaxpp_integration.compiler.reduction_plan import AutoReduction, ReductionChoice
 from jaxpp_integration.compiler.render import render_program
 from jaxpp_integration.frontend.array import MpmdArray
-from jaxpp_integration.frontend.marker import mark_stage_end, pipeline_enter_stage, pipeline_yield
+from jaxpp_integration.frontend.marker import (
+    forward_pass,
+    mark_stage_end,
+    pipeline_enter_stage,
+    pipeline_yield,
+)
 from jaxpp_integration.frontend.mesh import MpmdMesh
 from jaxpp_integration.frontend.reductions import Add, Concat, Max
 from jaxpp_integration.frontend.treduce import pipelined_tracing, treduce
 from jaxpp_integration.jax_compat import wait_at_barrier
 from jaxpp_integration.runtime.executor import DeviceBytes, execute, prepare
-from jaxpp_integration.runtime.fetch import fetch
+from jaxpp_integration.runtime.fetch import Fetch, fetch, fetch_later
 from jaxpp_integration.runtime.reshard import mpmd_to_spmd_reshard
 from jaxpp_integration.runtime.transfer import CrossBatch, Link, SpecExchange
 from jaxpp_integration.runtime.watchdog import Watchdog, describe_instruction
@@ -70,6 +75,7 @@ __all__ = [
     "Interleaved1F1B",
     "EngineOptions",
     "EngineReport",
+    "Fetch",
     "Max",
     "MemoryReport",
     "MpmdArray",
@@ -81,6 +87,8 @@ __all__ = [
     "UserSchedule",
     "ZeroBubble",
     "fetch",
+    "fetch_later",
+    "forward_pass",
     "local_ranks",
     "mark_stage_end",
     "mpmd_jit_with_loop",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import numpy as np
+
+_log = logging.getLogger("jaxpp_integration")
 
 
 def source_line(eqn) -> str:
@@ -55,6 +58,14 @@ def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
     from jax.experimental.shard_map import shard_map as legacy
 
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+def backends_started() -> bool:
+    """Whether this process has started a JAX backend (after which XLA_FLAGS and the GPU
+    memory variables are read no more)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
 
 
 def wait_at_barrier(name: str, timeout_s: float) -> None:
@@ -115,7 +126,9 @@ def shard_copier(shardings: list):
     return lambda arrays: batched(arrays, devices, shardings, reuse)
 
 
-def load_compiled_on(compiled, src_devices, dst_devices, serialized: bytes | None = None):
+def load_compiled_on(
+    compiled, src_devices, dst_devices, serialized: bytes | None = None, name: str = "a program"
+):
     """`compiled` (a `jax.stages.Compiled` for `src_devices`) loaded onto `dst_devices` without
     compiling again: device `src_devices[i]` becomes `dst_devices[i]`, in the executable's device
     assignment and in every input/output sharding. The XLA executable is serialized and
@@ -123,8 +136,25 @@ def load_compiled_on(compiled, src_devices, dst_devices, serialized: bytes | Non
     `serialized`: its bytes when already at hand (as read from the persistent compilation cache:
     XLA:CPU cannot serialize a deserialized executable again).
     Returns None where this JAX version or this executable does not allow it (host callbacks,
-    closed-over constants, shardings of an unknown kind, devices of another process): the caller
-    then compiles."""
+    closed-over constants, shardings of an unknown kind, devices of another process), and when
+    relocating fails for any other reason (a PJRT plugin that cannot serialize or deserialize
+    this executable, or rejects the new device list): then it logs one line saying so. The
+    caller then compiles. `name`: the program, for that line."""
+    try:
+        return _relocated(compiled, src_devices, dst_devices, serialized)
+    except Exception as e:  # any plugin failure: compiling is always a correct fallback
+        _log.warning(
+            "jaxpp: could not load %s onto devices %s (%s: %s); compiling it there instead",
+            name,
+            [d.id for d in dst_devices],
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
+        return None
+
+
+def _relocated(compiled, src_devices, dst_devices, serialized):
+    """`load_compiled_on`'s work; raises on a failure it does not foresee."""
     import dataclasses
 
     import jax

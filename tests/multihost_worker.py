@@ -9,7 +9,8 @@ Prints 'OK <n>' after checking n arrays bitwise against a single-process referen
 - for every batch of cross-process transfers run in one step: which side this process was, how
   many values and scalars it moved, the programs it launched (`jax.stages.Compiled` calls), the
   XLA compiles it triggered and the host arrays it put on a device (`jax.device_put` counted;
-  the batch runs under `jax.transfer_guard_host_to_device("disallow_explicit")`);
+  the batch runs under `jax.transfer_guard_host_to_device("disallow_explicit")`), the bytes a
+  sender keeps from it and the device order of its pair program;
 - the XLA compiles and persistent-cache reads of compiling the step again.
 With `die`, process 1 kills itself (SIGKILL) after compiling, to test that its peer exits instead
 of hanging. With `stop`, process 1 stops itself (SIGSTOP) after compiling and the step runs with
@@ -90,6 +91,7 @@ def _counted_batch(self, values):
     before = (launches[0], xla_compiles[0], host_puts[0])
     with jax.transfer_guard_host_to_device("disallow_explicit"):
         out = _batch_call(self, values)
+    received, issued = out
     batches.append(
         {
             "of": "program" if id(self) in program_batches else "inputs",
@@ -99,9 +101,16 @@ def _counted_batch(self, values):
             "launches": launches[0] - before[0],
             "compiles": xla_compiles[0] - before[1],
             "host_puts": host_puts[0] - before[2],
+            # what the batch hands back beyond the received values (a sender: all it keeps)
+            "kept_bytes": 0 if received is not None else _nbytes(issued),
+            "pair_devices": [d.id for d in self.pair_shardings[0].sharding.mesh.devices.flat],
         }
     )
     return out
+
+
+def _nbytes(tree) -> int:
+    return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards)
 
 
 @contextlib.contextmanager
@@ -170,12 +179,15 @@ program_batches.update(id(b) for _, b in compiled.walk.cross_batches.values())
 ref_step = jax.jit(step)
 r = (params, opt_state)
 p = r
+losses, ref_losses = [], []
 for k in range(3):
     with jax.default_device(jax.local_devices()[0]):
         r_out = ref_step(*r, batch)
     with counting_transfers() if k == 2 else contextlib.nullcontext():  # a step's batches
         p_out = compiled(*p, batch)
     r, p = r_out[:2], p_out[:2]
+    losses.append(p_out[2])
+    ref_losses.append(r_out[2])
 local_devices = set(jax.local_devices())
 counts = {
     "xla_compiles": compile_xla,
@@ -204,4 +216,36 @@ for ref, got in zip(jax.tree.leaves(r_out), jax.tree.leaves(p_out), strict=True)
 # the loss lives on the last group only; fetch broadcasts it to every process
 loss = jaxpp.fetch(p_out[2])
 np.testing.assert_array_equal(loss, np.asarray(r_out[2]))
+# the three steps' losses (and a host value) read back in one go: one collective, bitwise
+from jax.experimental import multihost_utils  # noqa: E402
+
+from jaxpp_integration.runtime import fetch as fetch_mod  # noqa: E402
+
+calls = {"gather": 0, "broadcast": 0}
+real_gather, real_broadcast = fetch_mod._gather_program, multihost_utils.broadcast_one_to_all
+
+
+def _counted_gather(*args):
+    program = real_gather(*args)
+
+    def run(x):
+        calls["gather"] += 1
+        return program(x)
+
+    return run
+
+
+def _counted_broadcast(*args, **kwargs):
+    calls["broadcast"] += 1
+    return real_broadcast(*args, **kwargs)
+
+
+fetch_mod._gather_program = _counted_gather
+multihost_utils.broadcast_one_to_all = _counted_broadcast
+read = jaxpp.fetch_later({"loss": losses, "host": np.int32(7)})
+got = read.result()
+for want, value in zip(ref_losses, got["loss"], strict=True):
+    np.testing.assert_array_equal(value, np.asarray(want))
+assert got["host"] == 7
+print("FETCH " + json.dumps(calls), flush=True)
 print(f"OK {checked} local arrays; groups here: {sorted(compiled.local_ranks)}", flush=True)

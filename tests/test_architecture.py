@@ -39,6 +39,7 @@ LAYERS = {
     "MaxText.memory": 9,
     "MaxText.step_clock": 9,
     "MaxText.checkpoint": 10,
+    "MaxText.dpo_step": 11,
     "MaxText.train_step": 11,
     "MaxText.convert": 11,
     "MaxText.planning": 12,

@@ -138,9 +138,13 @@ def test_layer_block_compiles_once_for_forward_and_once_for_backward(stages, lay
     compiled, seen = compile_step(config)
     loops = sorted(name for name, has_loop in seen if has_loop)
     assert loops == ["bwd_layers", "fwd_layers"], seen
-    assert sorted(name for name, _ in seen) == expected_programs(stages)
+    # besides the tasks: the middle groups' gradient accumulators, made on their devices by one
+    # program (they have no before-loop task), compiled once and loaded onto the others
+    assert sorted(name for name, _ in seen) == sorted(
+        [*expected_programs(stages), "accumulator_fills"]
+    )
     stats = compiled.compile_stats
-    assert stats.compiles == len(seen) == 18 and stats.persistent_hits == 0
+    assert stats.compiles == len(seen) - 1 == 18 and stats.persistent_hits == 0
     assert sorted(stats.compiled) == expected_programs(stages)
     # each layer block is loaded onto the other stages' groups
     assert stats.loads >= 2 * (stages - 1)

@@ -77,8 +77,11 @@ def _compile_counted(step, mesh, args, **kwargs):
 # (up to the loss); bwd of the last stage (the loss gradient, then the stage's backward: see
 # partition.py), of the middle stages (shared) and of the first (no input cotangent); one
 # after-loop SGD update for all ranks. No before-loop program: SGD has no step counter, and the
-# gradient accumulators start as host-made zeros (no compile).
+# gradient accumulators start as fills made on the device (`runtime/fills.py`).
 UNIFORM_DISTINCT_PROGRAMS = 7
+# Those fills' programs, also compiled once per distinct run of fills: the weight gradient's
+# zeros on every group (loaded onto the others), the last group's with the loss sum's zero.
+UNIFORM_FILL_PROGRAMS = 2
 
 
 @pytest.mark.parametrize("num_stages", [3, 4])
@@ -94,9 +97,11 @@ def test_uniform_stages_compile_once_per_distinct_program(num_stages):
     compiled, n_compiles = _compile_counted(step, mesh, (params, opt_state, batch))
 
     codes = {id(i.code): i.code for i in compiled.program.instrs if isinstance(i, Run)}
-    assert n_compiles == UNIFORM_DISTINCT_PROGRAMS, [c.name for c in codes.values()]
-    assert compiled.compile_stats.compiles == n_compiles
-    assert compiled.compile_stats.loads == len(codes) - n_compiles
+    assert n_compiles == UNIFORM_DISTINCT_PROGRAMS + UNIFORM_FILL_PROGRAMS, [
+        c.name for c in codes.values()
+    ]
+    assert compiled.compile_stats.compiles == UNIFORM_DISTINCT_PROGRAMS
+    assert compiled.compile_stats.loads == len(codes) - UNIFORM_DISTINCT_PROGRAMS
 
     for idx, ins in enumerate(compiled.program.instrs):
         if isinstance(ins, Run):
@@ -129,7 +134,7 @@ def test_loaded_copies_run_collectives_on_their_group():
     mesh = mpmd_mesh(4, inner=2)
     compiled, n_compiles = _compile_counted(step, mesh, (params, opt_state, batch), in_specs=specs)
     assert (
-        n_compiles
+        n_compiles - UNIFORM_FILL_PROGRAMS
         == compiled.compile_stats.compiles
         < len({id(i.code) for i in compiled.program.instrs if isinstance(i, Run)})
     )
@@ -190,7 +195,7 @@ def test_compile_threads_gives_the_same_program():
     compiled, n_compiles = _compile_counted(
         step, mpmd_mesh(4), (params, opt_state, batch), compile_threads=2
     )
-    assert n_compiles == UNIFORM_DISTINCT_PROGRAMS
+    assert n_compiles == UNIFORM_DISTINCT_PROGRAMS + UNIFORM_FILL_PROGRAMS
     assert_bitwise(jax.jit(step)(params, opt_state, batch), compiled(params, opt_state, batch))
 
 
@@ -222,7 +227,35 @@ def test_loaded_copies_of_cached_programs_run(tmp_path):
             jax.monitoring.unregister_event_listener(listener)
         ref = jax.jit(step)(params, opt_state, batch)
         assert_bitwise(ref, warm(params, opt_state, batch))
-    assert n_cold == UNIFORM_DISTINCT_PROGRAMS == cold.compile_stats.compiles
+    assert n_cold - UNIFORM_FILL_PROGRAMS == UNIFORM_DISTINCT_PROGRAMS
+    assert cold.compile_stats.compiles == UNIFORM_DISTINCT_PROGRAMS
     assert n_warm - len(hits) == 0 == warm.compile_stats.compiles
-    assert len(hits) == UNIFORM_DISTINCT_PROGRAMS == warm.compile_stats.persistent_hits
+    assert len(hits) - UNIFORM_FILL_PROGRAMS == UNIFORM_DISTINCT_PROGRAMS
+    assert warm.compile_stats.persistent_hits == UNIFORM_DISTINCT_PROGRAMS
     assert warm.compile_stats.loads == cold.compile_stats.loads == 5
+
+
+def test_a_relocation_that_fails_is_compiled_instead(monkeypatch, caplog):
+    """Loading a program compiled for one group onto another raising anything (here the
+    backend's deserializer, handed bytes that are no executable, as a PJRT plugin may reject
+    one it cannot move) costs a compile, not the step: each group whose load fails compiles its
+    own program, one log line says so per load, and the step is still jax.jit's, bitwise."""
+    from jaxpp_integration.compiler import compile as compile_mod
+
+    params, batch, loss_fn = uniform_mlp(3)
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(params)
+    step = make_step(loss_fn, opt, jaxpp.Std1F1B(3))
+    monkeypatch.setattr(
+        compile_mod._Compiler, "movable_source", lambda self, key, exe: (exe, b"not an executable")
+    )
+    with caplog.at_level("WARNING", logger="jaxpp_integration"):
+        compiled, _ = _compile_counted(step, mpmd_mesh(3), (params, opt_state, batch))
+    codes = {id(i.code) for i in compiled.program.instrs if isinstance(i, Run)}
+    stats = compiled.compile_stats
+    assert stats.loads == 0 and stats.compiles == len(codes)  # every group compiled its own
+    failed = [r.getMessage() for r in caplog.records if "could not load" in r.getMessage()]
+    assert len(failed) == len(codes) - UNIFORM_DISTINCT_PROGRAMS  # each attempted load, once
+    assert all(m.endswith("; compiling it there instead") for m in failed), failed
+    assert "(group 0's compile) onto devices [1]" in failed[0]
+    assert_bitwise(jax.jit(step)(params, opt_state, batch), compiled(params, opt_state, batch))

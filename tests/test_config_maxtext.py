@@ -49,7 +49,7 @@ def test_base_model_key_errors():
 
 def test_maxtext_decoder_block_names():
     assert load("decoder_block=llama2").decoder_block == "llama"
-    assert load("decoder_block=mistral").decoder_block == "llama"
+    assert load("decoder_block=mistral").decoder_block == "mistral"  # its own family now
     assert load("decoder_block=gpt3").decoder_block == "gpt"
 
 

@@ -314,9 +314,7 @@ def test_each_process_reads_only_its_documents(prepared):
     for p in range(P):
         windows = gp.train_windows(
             gp.TokenShards(str(shards / "train-*.array_record"), "grain_train_files"),
-            seq_len=256,
-            packing=False,
-            pad_id=0,
+            packer=gp.Packer(seq_len=256, packing=False, pad_id=0),
             seed=5,
             process_index=p,
             process_count=P,

@@ -118,7 +118,9 @@ _REF = re.compile(
     r"|(?P<result>benchmarks/results/[\w/*.-]+\.(?:json|png))"
 )
 # Files a tool writes when run (not committed results): named as outputs, not as evidence.
-WRITTEN_WHEN_RUN = {"benchmarks/results/gpu_smoke.json"}  # benchmarks/gpu_smoke.py on a GPU node
+# written by the first runs on GPU nodes: benchmarks/gpu_smoke.py, and benchmarks/gpu_transfer.py
+# on two nodes (scripts/gpu_smoke_two_nodes.sbatch)
+WRITTEN_WHEN_RUN = {"benchmarks/results/gpu_smoke.json", "benchmarks/results/gpu_transfer.json"}
 
 
 @functools.cache

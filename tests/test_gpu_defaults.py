@@ -3,6 +3,7 @@ starts for GPU runs only, overridable, logged) and the cuDNN attention refusals.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -65,33 +66,114 @@ def test_applied_only_when_a_gpu_run_is_coming(monkeypatch, caplog):
         env = {}
         with caplog.at_level(logging.INFO, logger="MaxText"):
             assert len(xla_flags.apply_gpu_defaults(hardware, env)) == 13
-        assert env == {"XLA_FLAGS": ALL_DEFAULTS}
-        assert f"XLA GPU flags: {ALL_DEFAULTS} (defaults in" in caplog.text
-    # hardware=auto on a host with GPUs and jax[cuda12]
+        assert env == {"XLA_FLAGS": ALL_DEFAULTS, "XLA_CLIENT_MEM_FRACTION": "0.90"}
+        # no GPU to be seen here: the device check's refusal is the only line (issue 36)
+        assert "XLA GPU flags" not in caplog.text and "GPU memory" not in caplog.text
+    # hardware=auto (and gpu) on a host with GPUs and jax[cuda12]: set and logged
     monkeypatch.setattr(gpu_host, "visible_gpu_count", lambda: 8)
     monkeypatch.setattr(gpu_host, "cuda_jaxlib_installed", lambda: True)
-    env = {}
-    assert len(xla_flags.apply_gpu_defaults("auto", env)) == 13
+    for hardware in ("auto", "gpu"):
+        env = {}
+        with caplog.at_level(logging.INFO, logger="MaxText"):
+            assert len(xla_flags.apply_gpu_defaults(hardware, env)) == 13
+        assert env == {"XLA_FLAGS": ALL_DEFAULTS, "XLA_CLIENT_MEM_FRACTION": "0.90"}
+        assert f"XLA GPU flags: {ALL_DEFAULTS} (defaults in" in caplog.text
+        caplog.clear()
     monkeypatch.setattr(gpu_host, "cuda_jaxlib_installed", lambda: False)  # CPU jaxlib: no
     assert xla_flags.apply_gpu_defaults("auto", {}) == []
 
 
-def test_the_trainer_sets_them_before_the_backend_starts(monkeypatch, capsys):
-    """`hardware=gpu` on this CPU host: the flags are set and logged, then the device check
-    stops the run (exit 2). This process's backend is started first, so the flags set here reach
-    no backend (XLA reads them once per process) and cannot change later tests."""
-    import jax
+@pytest.mark.parametrize(
+    "given",
+    [{}, {"XLA_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}],
+    ids=["neither", "new name", "deprecated name"],
+)
+def test_the_memory_fraction_defaults_only_when_the_user_set_neither(given, caplog, monkeypatch):
+    """jaxlib 0.10.2 refuses to start with both XLA_CLIENT_MEM_FRACTION and the deprecated
+    XLA_PYTHON_CLIENT_MEM_FRACTION set: the default goes in only when neither is (on a host
+    with GPUs: there it is logged)."""
+    monkeypatch.setattr(gpu_host, "visible_gpu_count", lambda: 8)
+    monkeypatch.setattr(gpu_host, "cuda_jaxlib_installed", lambda: True)
+    env = dict(given)
+    with caplog.at_level(logging.INFO, logger="MaxText"):
+        xla_flags.apply_gpu_defaults("gpu", env)
+    fractions = {k: v for k, v in env.items() if "MEM_FRACTION" in k}
+    assert fractions == (given or {"XLA_CLIENT_MEM_FRACTION": "0.90"})
+    ((name, value),) = fractions.items()
+    assert f"GPU memory JAX preallocates: {name}={value}" in caplog.text
+    assert ("(default;" in caplog.text) == (not given)
 
-    from MaxText.train import main
 
-    jax.devices()
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
-    assert main([BASE, "hardware=gpu", "enable_checkpointing=false"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    flags_line = next(i for i, line in enumerate(err) if line.startswith("XLA GPU flags: "))
-    assert err[-1].startswith("config error: hardware=gpu but JAX finds no GPU")
-    assert flags_line < len(err) - 1
-    assert os.environ["XLA_FLAGS"].startswith(ALL_DEFAULTS)
+def test_compile_threads_are_a_gpu_hosts_free_cores():
+    assert gpu_host.compile_threads("cpu", cores=64, load=0.0) == 0  # CPU devices use the cores
+    assert gpu_host.compile_threads("gpu", cores=64, load=3.2) == 32  # capped
+    assert gpu_host.compile_threads("gpu", cores=16, load=3.2) == 12
+    assert gpu_host.compile_threads("gpu", cores=4, load=2.5) == 0  # fewer than 2 free
+    assert gpu_host.compile_threads("gpu") >= 0  # this host's own figures
+
+
+def test_the_pipelined_trainer_compiles_on_that_many_threads(monkeypatch):
+    """The trainer hands `compile_threads(platform of its devices)` to the engine (checked
+    without compiling: the step function is built, not traced)."""
+    from MaxText import sharding, train_step
+    from MaxText.cluster import devices
+    from MaxText.model import Decoder
+    from MaxText.optimizer import make_optimizer
+
+    seen = []
+    monkeypatch.setattr(gpu_host, "compile_threads", lambda platform: seen.append(platform) or 6)
+    config = load_config([BASE, "pipeline_parallelism=2", "num_decoder_layers=2"])
+    mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
+    model = Decoder(config)
+    optimizer, lr = make_optimizer(config)
+    _, specs = train_step.state_specs(config, model, optimizer)
+    fn = train_step.pipelined_train_step(
+        config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh)
+    )
+    assert seen == ["cpu"] and fn.options.compile_threads == 6
+
+
+# The trainer, in a fresh process on this CPU host with hardware=gpu: records whether a JAX
+# backend had started when the GPU defaults were applied, then runs to its device check.
+FRESH_TRAINER = """
+import json, os, sys
+from MaxText.cluster import xla_flags
+from jaxpp_integration.jax_compat import backends_started
+started = []
+real = xla_flags.apply_gpu_defaults
+def spy(hardware, environ=os.environ):
+    started.append(backends_started())
+    return real(hardware, environ)
+xla_flags.apply_gpu_defaults = spy
+from MaxText.train import main
+code = main(sys.argv[1:])
+print(json.dumps({"started": started, "after": backends_started(), "code": code,
+                  "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+                  "fraction": os.environ.get("XLA_CLIENT_MEM_FRACTION")}))
+"""
+
+
+def test_the_trainer_sets_them_before_the_backend_starts(tmp_path):
+    """`hardware=gpu` on this CPU host, in a fresh process: when the trainer applies the GPU
+    defaults no JAX backend exists yet (XLA reads XLA_FLAGS and the memory variables once, when
+    the first backend starts); the flags and the memory fraction are set (not logged: no GPU is
+    visible), then the device check (a backend now exists) stops the run with exit code 2 and
+    its one line."""
+    env = {k: v for k, v in os.environ.items() if "XLA_" not in k}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH_TRAINER, BASE, "hardware=gpu", "enable_checkpointing=false",
+         f"base_output_directory={tmp_path}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["started"] == [False] and got["after"] is True
+    assert got["code"] == 2
+    assert got["XLA_FLAGS"] == ALL_DEFAULTS and got["fraction"] == "0.90"
+    err = proc.stderr.splitlines()
+    assert err[-1].startswith("config error: hardware=gpu but JAX finds no GPU"), err
+    assert not any("XLA GPU flags" in line for line in err)
 
 
 # ------------------------------------------------------------------------- cuDNN attention

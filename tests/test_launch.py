@@ -39,7 +39,10 @@ def test_launch_usage_errors():
         text=True,
         timeout=60,
     )
-    assert out.returncode == 2 and "usage" in out.stdout
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        "usage error: no `--` before the trainer's arguments; see python -m MaxText.launch --help\n"
+    )
 
 
 def test_auto_pipeline_keys_refused_under_several_processes(tmp_path):

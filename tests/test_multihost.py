@@ -61,11 +61,12 @@ def _counts(out: str) -> dict:
 # before each process compiled only its own, each process compiled all 8 / 12), and the step's
 # cross-process transfers. Transfer programs here: one `move` per distinct batch signature (4 for
 # 1f1b, 5 interleaved, on both processes), a `pack` for the scalars a process sends, an `unpack`
-# for those it receives, and a receive buffer per distinct received layout (3 on process 0, 2
-# on process 1, for both schedules).
+# for those it receives, a receive buffer per distinct received layout (3 on process 0, 2
+# on process 1, for both schedules), and the program making its group's gradient accumulators
+# on its devices (`runtime/fills.py`: neither group has a before-loop task).
 COMPILES = {
-    "1f1b": [(13, 4), (12, 4)],
-    "interleaved": [(16, 6), (15, 6)],
+    "1f1b": [(14, 4), (13, 4)],
+    "interleaved": [(17, 6), (16, 6)],
 }
 TRANSFERS = {"1f1b": 15, "interleaved": 33}
 # The step's batches per process: (side, values, of which scalars) -> how many. Launches per
@@ -118,7 +119,10 @@ def test_two_processes_equal_single_process_bitwise(schedule, tmp_path):
     bitwise against `jax.jit` of the step on one device. Each process compiles only its own
     groups' task programs (exact counts) and finds them in the persistent cache when compiling
     again; it moves the step's cross-process values in batches: one program per batch (+ the
-    scalar pack/unpack), no XLA compile and no host array put on a device while doing it."""
+    scalar pack/unpack), no XLA compile and no host array put on a device while doing it; a
+    sender keeps nothing but a 4-byte flag, and both directions use one device order. The
+    losses of the three steps are read back on both processes in one collective
+    (`jaxpp.fetch_later`), bitwise."""
     procs = _launch(schedule, cache_dir=tmp_path)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
@@ -138,12 +142,21 @@ def test_two_processes_equal_single_process_bitwise(schedule, tmp_path):
         for b in c["batches"]:
             assert b["launches"] == 1 + (b["scalars"] > 0), b
             assert b["compiles"] == 0 and b["host_puts"] == 0, b
+            # a sender keeps only the 4-byte flag it may wait on (one device per group here)
+            assert b["kept_bytes"] == (4 if b["side"] == "send" else 0), b
+        # both directions of the stage boundary over one device order (group 0's device first):
+        # one NCCL communicator for the pair
+        (order,) = {tuple(b["pair_devices"]) for b in c["batches"]}
+        assert len(order) == 2 and order[0] < order[1], order
         # the updated tied embedding is read by both groups next step: one batch of one
         inputs = [b for b in c["batches"] if b["of"] == "inputs"]
         assert [b["side"] for b in inputs] == [["send", "receive"][pid]], inputs
-        # compiled again: every task program is read from the persistent cache, which each
-        # process wrote its own programs to (JAX itself writes from process 0 only)
-        assert c["again"] == {"real_compiles": 0, "cache_hits": tasks}, c["again"]
+        # compiled again: every task program (and the fill program) is read from the persistent
+        # cache, which each process wrote its own programs to (JAX itself writes from process 0)
+        assert c["again"] == {"real_compiles": 0, "cache_hits": tasks + 1}, c["again"]  # + fills
+        # three steps' losses, read back together: one collective, no broadcast per value
+        (line,) = [x for x in out.splitlines() if x.startswith("FETCH ")]
+        assert json.loads(line[len("FETCH ") :]) == {"gather": 1, "broadcast": 0}
 
 
 @pytest.mark.slow
@@ -166,9 +179,10 @@ def test_trainer_transfers_go_in_batches_and_scalars_as_one_vector(tmp_path):
     """The trainer's default step (scanned layers, AdamW after a global-norm clip) at pp=2 with
     its two groups on two processes: the program's 51 cross-process transfers are cut into 11
     batches, and the 42 per-leaf scalar partials the optimizer phase exchanges (22 from group 1,
-    20 from group 0) into one batch per direction, each moved as one float32 vector. Read off
-    the compiled program in one process (which transfers cross depends only on the groups'
-    owners); `test_two_processes_equal_single_process_bitwise` runs batches for real."""
+    20 from group 0) into one batch per direction, each moved as one float32 vector; every
+    batch, forward or back, runs over the same device order. Read off the compiled program in
+    one process (which transfers cross depends only on the groups' owners);
+    `test_two_processes_equal_single_process_bitwise` runs batches for real."""
     from jaxpp_integration.compiler.program import Transfer
     from jaxpp_integration.runtime.transfer import cross_process_runs, plan_cross_process
     from MaxText import sharding
@@ -207,12 +221,16 @@ def test_trainer_transfers_go_in_batches_and_scalars_as_one_vector(tmp_path):
         (1, 0, 22, 22): 1,
         (0, 1, 20, 20): 1,
     }
-    vectors = []
+    vectors, orders = [], set()
     for sender in (0, 1):  # the sending side of every batch of one group, as its process plans it
         planned = plan_cross_process(prog, step.slot_sharding, [0, 1], {sender}, "stage")
         for transfers, batch in planned.values():
+            orders.add(tuple(d.id for d in batch.pair_shardings[0].sharding.mesh.devices.flat))
             if transfers[0].src_rank != sender or len(transfers) < 20:
                 continue
             (vector,) = batch.pair.args_info[0]  # one input: the packed scalars, both halves
             vectors.append((sender, vector.shape, str(vector.dtype)))
     assert vectors == [(0, (40,), "float32"), (1, (44,), "float32")]
+    # every batch, either way, runs over one device order: one NCCL communicator for the pair
+    group_devices = [tuple(d.id for d in step.mpmd_mesh.devices_of(r)) for r in (0, 1)]
+    assert orders == {group_devices[0] + group_devices[1]}

@@ -199,19 +199,37 @@ def test_too_few_gpus_per_process_says_the_rule(monkeypatch):
     )
 
 
+PROXIES = {"http_proxy": "http://proxy:3128", "https_proxy": "http://proxy:3128"}
+
+
 def _script_argv(tmp_path, script, launcher, env):
-    """The command line `script` hands to `launcher` (a fake on PATH that records it)."""
+    """The command line `script` hands to `launcher` (a fake on PATH that records it; the
+    proxy variables it is started with go to `proxies.txt`), run with a proxy configured."""
     import subprocess
 
     fake = tmp_path / launcher
-    fake.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    fake.write_text(
+        '#!/bin/bash\nprintf "%s\\n" "$@" > "$RECORD"\n'
+        'env | grep -i "_proxy=" > "$RECORD.proxies" || true\n'
+    )
     fake.chmod(0o755)
     record = tmp_path / "argv.txt"
     path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    run_env = {**env, "PATH": path, "RECORD": str(record), "OUTPUT_DIR": str(tmp_path)}
+    run_env = {**env, **PROXIES, "PATH": path, "RECORD": str(record), "OUTPUT_DIR": str(tmp_path)}
     root = CONFIGS_DIR.parent
     subprocess.run(["bash", str(root / "scripts" / script)], cwd=root, env=run_env, check=True)
     return record.read_text().splitlines()
+
+
+def _without_proxies(argv: list[str], tmp_path) -> bool:
+    """Whether train.py starts without the proxy variables: not in the launcher's environment
+    (srun hands it on), or removed on each rank (`env -u NAME ... python`)."""
+    passed = (tmp_path / "argv.txt.proxies").read_text().split()
+    cut = argv[: argv.index("python")]
+    removed = {cut[i + 1] for i, a in enumerate(cut) if a == "-u" and "env" in cut[:i]}
+    return all(
+        f"{name}={value}" not in passed or name in removed for name, value in PROXIES.items()
+    )
 
 
 @pytest.mark.parametrize(
@@ -249,5 +267,50 @@ def test_example_scripts_give_one_pipeline_group_per_node(
     )
     assert (resolved.num_processes, resolved.mesh_pipeline, resolved.mesh_fsdp) == (2, 2, 8)
     assert resolved.num_devices == 16 and resolved.dcn_pipeline_parallelism == 2
-    if launcher == "mpirun":
-        assert resolved.coordinator_address == "node1:12355"
+    # gRPC to the coordinator hangs behind an HTTP proxy: train.py starts without one
+    assert _without_proxies(argv, tmp_path)
+    if launcher == "mpirun":  # a port free on this (the first) host, or PORT=
+        host, port = resolved.coordinator_address.split(":")
+        assert host == "node1" and 1024 <= int(port) < 65536 and int(port) != 12355
+        again = _script_argv(tmp_path, script, launcher, {**env, "PORT": "4321"})
+        assert "coordinator_address=node1:4321" in again
+
+
+def test_the_two_node_smoke_script(tmp_path):
+    """scripts/gpu_smoke_two_nodes.sbatch (fake `srun` and `scontrol`): without proxies, it
+    times a transfer between the nodes with the first node as coordinator (on a port apart
+    from the trainer's) and each task's SLURM_PROCID as its process, then trains one pipeline
+    group per node."""
+    import subprocess
+
+    calls = tmp_path / "calls.txt"
+    (tmp_path / "srun").write_text(
+        '#!/bin/bash\nprintf "%s\\n" "$@" "--" >> "$RECORD"\n'
+        'env | grep -i "_proxy=" >> "$RECORD.proxies" || true\n'
+    )
+    (tmp_path / "scontrol").write_text("#!/bin/bash\nprintf 'gpu017\\ngpu018\\n'\n")
+    for name in ("srun", "scontrol"):
+        (tmp_path / name).chmod(0o755)
+    env = {
+        **PROXIES,
+        "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+        "RECORD": str(calls),
+        "SLURM_JOB_NODELIST": "gpu[017-018]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "t",
+        "OUTPUT_DIR": str(tmp_path),
+        "LINK_GBPS": "3200",
+    }
+    root = CONFIGS_DIR.parent
+    script = root / "scripts" / "gpu_smoke_two_nodes.sbatch"
+    subprocess.run(["bash", str(script)], cwd=root, env=env, check=True)
+    assert (tmp_path / "calls.txt.proxies").read_text() == ""
+    first, second, _ = calls.read_text().split("--\n")
+    transfer = " ".join(first.splitlines()[-1].split())
+    assert transfer == (  # port 61440 + (4242 + 1) mod 4096
+        "exec python benchmarks/gpu_transfer.py --coordinator gpu017:61587 --num-processes 2 "
+        "--process-id $SLURM_PROCID --link-gbps 3200"
+    )
+    argv = second.splitlines()
+    config = load_config(argv[argv.index("train.py") + 1 :])
+    assert config.hardware == "gpu_multiprocess" and config.dcn_pipeline_parallelism == 2

@@ -34,8 +34,27 @@ def project(tmp_path) -> Path:
     bin_dir.mkdir(parents=True)
     (bin_dir / "activate").write_text(f'PATH="{bin_dir}:$PATH"\n')
     _script(bin_dir / "pip", f'#!/bin/sh\necho "$*" >> "{root}/pip.log"\n')
-    _script(bin_dir / "python", "#!/bin/sh\necho 'jax 0.10.2 fake'\n")
+    _script(bin_dir / "python", fake_python("3.11.9"))
     return root
+
+
+def fake_python(version: str) -> str:
+    """A stand-in interpreter: answers setup.sh's version check and probes as Python `version`
+    with jax[cuda12]'s NCCL and cuDNN wheels installed."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    old = 1 if (major, minor) < (3, 11) else 0
+    return (
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        f"  *version_info*) exit {old} ;;\n"
+        f"  *python_version*) echo {version} ;;\n"
+        f"  *importlib.metadata*) echo '{WHEELS}' ;;\n"
+        "  *) echo 'jax 0.10.2 fake' ;;\n"
+        "esac\n"
+    )
+
+
+WHEELS = "nvidia-nccl-cu12=2.26.5 nvidia-cudnn-cu12=9.10.2.21"
 
 
 def _script(path: Path, text: str) -> None:
@@ -43,8 +62,11 @@ def _script(path: Path, text: str) -> None:
     path.chmod(0o755)
 
 
-def _setup(root: Path, nvidia_smi: str | None) -> tuple[str, list[str]]:
-    """Runs setup.sh; returns its stdout and the pip commands it ran."""
+def _setup(
+    root: Path, nvidia_smi: str | None, python: str | None = None, code: int = 0
+) -> tuple[str, list[str]]:
+    """Runs setup.sh (with `PYTHON=python` if given); returns its stdout (its stderr when it
+    must fail with `code`) and the pip commands it ran."""
     tools = root.parent / "tools"
     shutil.rmtree(tools, ignore_errors=True)
     tools.mkdir()
@@ -54,11 +76,14 @@ def _setup(root: Path, nvidia_smi: str | None) -> tuple[str, list[str]]:
     log.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON")}
     env["PATH"] = f"{tools}:/usr/bin:/bin"
+    if python is not None:
+        env["PYTHON"] = python
     proc = subprocess.run(
         ["bash", str(root / "setup.sh")], env=env, capture_output=True, text=True, timeout=60
     )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout, log.read_text().splitlines() if log.exists() else []
+    assert proc.returncode == code, proc.stderr
+    pip = log.read_text().splitlines() if log.exists() else []
+    return (proc.stdout if code == 0 else proc.stderr), pip
 
 
 def _stamp_backend(root: Path) -> str:
@@ -108,3 +133,41 @@ def test_nvidia_smi_without_a_driver_is_a_cpu_host(project):
     out, pip = _setup(project, nvidia_smi=NVIDIA_SMI_BROKEN)
     assert pip == CPU_INSTALL
     assert _stamp_backend(project) == "cpu"
+
+
+def test_an_old_python_is_refused_first(project):
+    """jax 0.10.2 needs Python >= 3.11: a `PYTHON=` of 3.10 (Ubuntu 22.04's python3) stops
+    setup.sh before it makes a venv, with one line naming PYTHON=; so does a venv made with one."""
+    shutil.rmtree(project / ".venv")
+    old = project.parent / "python3.10"
+    _script(old, fake_python("3.10.12"))
+    err, pip = _setup(project, nvidia_smi=None, python=str(old), code=2)
+    assert err.splitlines() == [
+        f"setup.sh: PYTHON={old} is Python 3.10.12 but jax 0.10.2 needs Python >= 3.11; run "
+        "PYTHON=python3.11 ./setup.sh (any Python >= 3.11)"
+    ]
+    assert pip == [] and not (project / ".venv").exists()
+    # a venv made earlier with such a Python: the same refusal, naming the venv
+    (project / ".venv" / "bin").mkdir(parents=True)
+    _script(project / ".venv" / "bin" / "python", fake_python("3.10.12"))
+    err, pip = _setup(project, nvidia_smi=None, code=2)
+    assert err.splitlines() == [
+        "setup.sh: .venv has Python 3.10.12 but jax 0.10.2 needs Python >= 3.11; remove .venv "
+        "and run PYTHON=python3.11 ./setup.sh"
+    ]
+    assert pip == []
+
+
+def test_the_cuda_wheels_are_recorded_and_printed(project):
+    """On a GPU host the stamp records the NCCL and cuDNN wheels jax[cuda12] installed, and
+    setup.sh prints them, also when the venv is already up to date; a CPU venv records none."""
+    out, _ = _setup(project, nvidia_smi=None)
+    assert (project / ".venv" / ".requirements.sha").read_text().split()[1:] == ["cpu"]
+    assert "CUDA libraries" not in out
+    line = f"setup.sh: CUDA libraries: {WHEELS} (the NVIDIA driver must support CUDA 12)"
+    out, _ = _setup(project, nvidia_smi=NVIDIA_SMI_OK)
+    assert line in out.splitlines()
+    stamp = (project / ".venv" / ".requirements.sha").read_text().split()
+    assert stamp[1:] == ["gpu", *WHEELS.split()]
+    out, pip = _setup(project, nvidia_smi=NVIDIA_SMI_OK)
+    assert pip == [] and line in out.splitlines()

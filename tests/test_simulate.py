@@ -204,6 +204,46 @@ def test_transfer_only_between_ranks():
     assert starts["fwd_1__0"] >= starts["fwd_0__0"] + 1.0 + 10.0  # crosses ranks 0 -> 1
 
 
+def test_blocking_transfers_by_hand():
+    """`transfers="blocking"`: a transfer holds both ranks' streams, at its place in the
+    engine's dispatch order. Std1F1B(2), 2 microbatches, fwd 1, bwd 2, transfer 0.5. The dispatch
+    order (the free-transfer replay by start, then rank): f0_0 f0_1 f1_0 b1_0 b0_0 f1_1 b1_1 b0_1,
+    each value sent right after its producer. By hand: f0_0 [0,1], send [1,1.5]; f0_1 [1.5,2.5],
+    send [2.5,3] (rank 1 takes it before f1_0, which comes later in the order); f1_0 [3,4];
+    b1_0 [4,6], send [6,6.5]; b0_0 [6.5,8.5]; f1_1 [6.5,7.5]; b1_1 [7.5,9.5], send [9.5,10];
+    b0_1 [10,12]. Overlapped (latency only): f1_0 [1.5,2.5], b1_0 [2.5,4.5], f1_1 [4.5,5.5],
+    b1_1 [5.5,7.5], b0_0 [5,7], b0_1 [8,10]."""
+    costs = Costs(fwd=1.0, bwd=2.0, transfer=0.5)
+    blocking = simulate(Std1F1B(2), 2, costs, transfers="blocking")
+    starts = {str(item): (start, end) for _, item, start, end in blocking.items}
+    assert starts == {
+        "fwd_0__0": (0.0, 1.0),
+        "fwd_0__1": (1.5, 2.5),
+        "fwd_1__0": (3.0, 4.0),
+        "bwd_1__0": (4.0, 6.0),
+        "bwd_0__0": (6.5, 8.5),
+        "fwd_1__1": (6.5, 7.5),
+        "bwd_1__1": (7.5, 9.5),
+        "bwd_0__1": (10.0, 12.0),
+    }
+    assert blocking.makespan == 12.0
+    assert blocking.bubble == pytest.approx((2 * 12 - 12) / (2 * 12), abs=EXACT)
+    assert simulate(Std1F1B(2), 2, costs).makespan == 10.0  # overlapped, the default
+    with pytest.raises(ValueError, match="transfers='eager'"):
+        simulate(Std1F1B(2), 2, costs, transfers="eager")
+
+
+@pytest.mark.parametrize("sched", [GPipe(4), Std1F1B(4), Interleaved1F1B(8, 4), ZeroBubble(4)])
+def test_blocking_transfers_never_beat_overlapped(sched):
+    """Holding both streams can only delay: for every schedule and transfer cost, the blocking
+    step is at least as long as the overlapped one, and with free transfers the dispatch order
+    alone may cost (a rank waits for its peer's stream to reach the transfer)."""
+    for t in (0.0, 0.25, 1.0):
+        costs = Costs(fwd=1.0, bwd=2.0, transfer=t)
+        over = simulate(sched, 8, costs).makespan
+        assert simulate(sched, 8, costs, transfers="blocking").makespan >= over
+
+
 def test_per_task_costs_override_by_phase_and_stage():
     costs = Costs(fwd=1.0, bwd=2.0, per_task={(Phase.FWD, 1): 5.0, (Phase.BWD, 0): 0.5})
     assert costs.task_cost(Task(1, 0, F)) == 5.0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL_SHAPE
+from small_model import SMALL_MODEL_SHAPE, merged
 
 from MaxText import sharding
 from MaxText import step_clock as step_clock_lib
@@ -33,7 +33,7 @@ MODEL = SMALL_MODEL_SHAPE  # the default layout: scanned layers
 
 def _config(base: Path, *overrides: str):
     return load_config(
-        [
+        merged(
             str(CONFIGS_DIR / "base.yml"),
             *MODEL,
             "dataset_type=synthetic",
@@ -46,7 +46,7 @@ def _config(base: Path, *overrides: str):
             "enable_tensorboard=false",
             f"base_output_directory={base}",
             *overrides,
-        ]
+        )
     )
 
 
@@ -112,6 +112,32 @@ def test_pipelined_metrics_are_read_one_step_late(pipelined, tmp_path, fetches, 
     assert fetches == ["d1", "d2", "f1", "d3", "f2", "f3", "d4", "d5", "f4", "d6", "f5", "f6"]
     assert _checkpoints(config) == [3, 6]
     assert "host time between step dispatches: median " in capsys.readouterr().out
+
+
+def test_several_processes_read_once_per_log_period(pipelined, tmp_path, fetches, monkeypatch):
+    """Under several processes a step's metrics travel to every process (a collective), so the
+    loop starts one read per log period (`train._read_every`, patched here to what it is with
+    several processes), right after that period's last step is dispatched, and finishes it after
+    the next step's dispatch: log_period=2, 6 steps, saved only at the end."""
+    config = _config(tmp_path, "log_period=2", "checkpoint_period=1000", "run_name=period")
+    monkeypatch.setattr(train_lib, "_read_every", lambda c: c.log_period)
+    reads = []
+    real = train_lib.jaxpp.fetch_later
+
+    def fetch_later(tree):
+        reads.append(len(tree))
+        fetches.append(f"r{len(tree)}")
+        return real(tree)
+
+    monkeypatch.setattr(train_lib.jaxpp, "fetch_later", fetch_later)
+    trainer = _instrumented(dataclasses.replace(pipelined, config=config), fetches)
+    run(config, trainer, make_data(config))
+    assert reads == [2, 2, 2]  # one read per log period, each of the period's steps
+    assert fetches == [
+        *("d1", "d2", "r2", "d3", "f1", "f2"),
+        *("d4", "r2", "d5", "f3", "f4"),
+        *("d6", "r2", "f5", "f6"),  # the last step: read at once, before the save
+    ]
 
 
 @pytest.mark.parametrize(

@@ -10,22 +10,31 @@ the new state at once. One trainer, one measured step (module fixture):
   instruction, on every device, exactly;
 - each group's after-loop tasks consume its whole training state (parameters and optimizer
   state), measured on the devices at those instructions, and the step's peak is no longer the
-  update.
+  update;
+- the state stays on the devices (#35): per step the bytes copied from the host are exactly the
+  batch's, a checkpoint save on the path of several processes (each value spread over all groups,
+  `mpmd_to_spmd_reshard`, taken here in one process) copies none (before: the rows of the groups
+  not holding a value were host zeros, (G-1)/G of the state per save), and a restore exactly
+  this process's share of the checkpoint (counted with `host_transfers.py`).
 """
 
 from __future__ import annotations
 
 import gc
+import types
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from host_transfers import batch_bytes, host_to_device_bytes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from small_model import SMALL_MODEL_SHAPE, merged
 
 from jaxpp_integration.runtime.executor import scanning_device_bytes
 from MaxText import sharding
+from MaxText.checkpoint.manager import Checkpoints
 from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.train_step import batch_shapes, build_trainer, measured_train_step
@@ -135,3 +144,64 @@ def test_update_is_no_longer_the_peak(measured):
         )
         at = min(i for i, m in enumerate(scanned) if max(m.get(d, 0) for d in ids) == peaks[g])
         assert peaks[g] < held and at not in {t.index for t in updates}, (g, peaks[g], held, at)
+
+
+# --------------------------------------------------------------- state on the devices (#35)
+
+
+def _host_batch(config) -> dict:
+    return {k: np.ones(v.shape, v.dtype) for k, v in batch_shapes(config).items()}
+
+
+def test_a_step_copies_only_its_batch_from_the_host(measured):
+    """Two steps from a fresh state: what `put_batch` and the step copy from the host is the
+    batch's bytes on the groups reading each leaf (split over data there), nothing else; implicit
+    copies are refused. (At this layout both groups have before-loop work, so the trainer has no
+    fills; `tests/test_device_side_state.py` counts a step that has.)"""
+    config, trainer, *_ = measured
+    state = trainer.init_state()
+    n_state = len(jax.tree.leaves(state))
+    for _ in range(2):
+        with host_to_device_bytes() as seen:
+            batch = trainer.put_batch(_host_batch(config))
+            state, metrics = trainer.train_step(state, batch)
+            jax.block_until_ready(jax.tree.leaves(metrics))
+        leaves = jax.tree.leaves(batch)
+        expected = batch_bytes(trainer.train_step, range(n_state, n_state + len(leaves)), leaves)
+        # three (8, 4) int32 leaves, each read by one or both groups
+        assert expected in {k * 8 * 4 * 4 for k in range(3, 7)}
+        assert sum(seen) == expected, seen
+
+
+def test_a_save_copies_nothing_and_a_restore_this_process_share(measured):
+    """A step's state saved on the path of several processes (taken in one process): 0 bytes
+    from the host; restored: the bytes of every restored buffer once, the values bitwise. Both
+    let implicit copies through: the canonical layout's per-layer split `x[k]` sends each index
+    k (4 bytes) to a device."""
+    config, trainer, *_ = measured
+    assert config.enable_checkpointing  # the default
+    state, _ = trainer.train_step(trainer.init_state(), trainer.put_batch(_host_batch(config)))
+    saved = [np.asarray(x) for x in jax.tree.leaves(state)]
+    data = types.SimpleNamespace(  # the loop's data iterator, as far as checkpoints use it
+        train=types.SimpleNamespace(get_state=lambda: {"at": 1}, set_state=lambda _: None)
+    )
+    checkpoints = Checkpoints(config, trainer)
+    checkpoints._placement.spread_over_groups = True  # the save path of several processes
+    with host_to_device_bytes(implicit="allow") as seen:
+        checkpoints.save(1, state, data, wait=True)
+    checkpoints.close()
+    assert seen == []
+    assert (Path(config.checkpoint_dir) / "1").is_dir()
+
+    again = Checkpoints(config, trainer)
+    with host_to_device_bytes(implicit="allow") as seen:
+        restored = again.restore_or_init(data)
+    again.close()
+    leaves = jax.tree.leaves(restored)
+    share = sum(
+        s.data.nbytes for x in leaves for a in x.arrays.values() for s in a.addressable_shards
+    )
+    assert sum(seen) == share, (sum(seen), share)
+    for want, got in zip(saved, leaves, strict=True):
+        for a in got.arrays.values():
+            np.testing.assert_array_equal(np.asarray(a), want)

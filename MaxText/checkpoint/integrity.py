@@ -24,7 +24,9 @@ differs, so a flipped byte in a same-size file counts as damage. A checkpoint wi
 orbax's barrier, so it reads every process's files once; files are read on up to 8 threads) and
 every process verifies them before it restores.
 `check_files` parses the metadata files first, so damage shows as one line instead of orbax's
-asyncio tracebacks.
+asyncio tracebacks. `check_before_reading` runs these checks on a checkpoint that is read as it is
+(a converted parameters-only checkpoint, a step being exported): there is no older one to fall
+back to, so damage is one `checkpoint error:` line naming the file.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from MaxText.errors import StorageError
+from MaxText.errors import CheckpointError, StorageError
 
 CHECKSUMS = "checksums.json"
 # orbax rewrites its step metadata (commit time) after the checksums are recorded, and writes
@@ -250,6 +252,29 @@ def verify_checksums(step_dir: Path) -> bool:
                 f"written)"
             )
     return True
+
+
+def check_before_reading(step_dir: Path, item: str, advice: str) -> None:
+    """Checks the files of a checkpoint that is read as it is (not one of a run's checkpoints,
+    which `restore.py` skips when damaged): against its `checksums.json`, or, without a record,
+    its metadata files parsed and every stored chunk of `item` read once. Damage raises one
+    `CheckpointError` line naming the file and ending with `advice`; a storage failure that is
+    not damage one `CheckpointUnavailableError` line; anything else (a bug) propagates."""
+    try:
+        if not verify_checksums(step_dir):
+            check_files(step_dir, (), state=False)
+            verify_arrays(step_dir / item)
+    except Exception as e:  # noqa: BLE001 (storage errors only, see classify)
+        kind = classify(e)
+        if kind is None:
+            raise
+        if kind == UNAVAILABLE:
+            raise CheckpointUnavailableError(
+                f"cannot read checkpoint {step_dir}: {describe_failure(e)}; it is not damaged: "
+                f"fix the storage or its permissions and run again"
+            ) from None
+        what = str(e) if isinstance(e, UnreadableCheckpointError) else first_cause_line(e)
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {what}; {advice}") from None
 
 
 _QUOTED_PATH = re.compile(r'"(/[^"]+)"')

@@ -81,6 +81,9 @@ class _MpmdPlacement:
         fallback = jax.tree.leaves(trainer.state_specs, is_leaf=_is_spec)
         self.groups: list[tuple[int, ...]] = []
         self.specs: list = []
+        # several processes: orbax writes only arrays spanning them, so a save spreads each value
+        # over all groups first (tests set it in one process, to run that path)
+        self.spread_over_groups = jax.process_count() > 1
         report = getattr(trainer.train_step, "report", None)
         inputs = report().inputs if report is not None else ()
         for i in range(num_leaves):
@@ -93,7 +96,7 @@ class _MpmdPlacement:
             self.specs.append(spec)
 
     def saveable(self, leaves: list) -> list:
-        if jax.process_count() > 1:  # orbax writes only arrays spanning several processes
+        if self.spread_over_groups:
             from jaxpp_integration.runtime.reshard import mpmd_to_spmd_reshard
 
             return jax.tree.leaves(mpmd_to_spmd_reshard(leaves))

@@ -270,6 +270,7 @@ def read_params(
 def _read_parameters_only(
     location: parameters.Location, canonical_params: Any, config: Config | None, shardings: Any
 ) -> tuple[Any, Restored]:
+    parameters.verify(location)  # damage: one line naming the file, before orbax reads it
     saved = parameters.read_config(location)
     step_dir = location.root / str(location.step)
     if saved is not None and config is not None:
@@ -383,7 +384,16 @@ class Checkpoints:
         )
         return state
 
-    def _load_parameters(self) -> Any:
+    def starting_params(self) -> Any:
+        """The parameters a new run of this config starts from, laid out like a fresh state's:
+        `load_parameters_path`'s, else the initial ones (DPO's frozen reference model, read again
+        when a run resumes)."""
+        if not self.config.load_parameters_path:
+            return self.trainer.init_state()["params"]
+        loaded, _ = self._read_parameters()
+        return loaded
+
+    def _read_parameters(self) -> tuple[Any, Restored]:
         indices = self._param_indices()
         loaded, restored = read_params(
             self.config.load_parameters_path,
@@ -392,8 +402,12 @@ class Checkpoints:
             shardings=self._placement.restore_shardings([self._layout.sources[c] for c in indices]),
         )
         params = self._state_leaves(jax.tree.leaves(loaded), indices)
+        return jax.tree.unflatten(self._params_treedef, params), restored
+
+    def _load_parameters(self) -> Any:
+        params, restored = self._read_parameters()
         state = self.trainer.init_state()  # fresh optimizer state and step 0
-        state = {**state, "params": jax.tree.unflatten(self._params_treedef, params)}
+        state = {**state, "params": params}
         log.info(
             "new run %s starts from the parameters of checkpoint step %d (%s)",
             self.config.run_name,

@@ -16,7 +16,11 @@ checkpoint stores, so its model keys can be read back: `MaxText/config/checkpoin
   `state`) as numpy arrays; exports read one layer at a time with it.
 - `write(root, step, leaves, config)`: writes the checkpoint **streaming**: each leaf is a
   `LazyLeaf` whose array is produced only when orbax writes it and dropped right after, one at a
-  time, so memory holds one tensor (plus orbax's per-file buffers) instead of the model.
+  time, so memory holds one tensor (plus orbax's per-file buffers) instead of the model. Like a
+  training save it records `checksums.json` (`integrity.py`) before the step appears under its
+  number; a failed write leaves nothing behind (one `I/O error:` line for a storage failure).
+- `verify(location)`: the files checked against those checksums before they are read; a damaged
+  checkpoint is one `checkpoint error:` line naming the file.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,8 +38,16 @@ from typing import Any
 import jax
 import numpy as np
 
+from MaxText.checkpoint.integrity import (
+    check_before_reading,
+    classify,
+    describe_failure,
+    record_checksums,
+)
 from MaxText.checkpoint.layout import restore_args
-from MaxText.errors import CheckpointError, ConfigError
+from MaxText.checkpoint.pending_save import quiet_abandoned_writes
+from MaxText.cluster.output_paths import make_dirs, remove_made
+from MaxText.errors import CheckpointError, ConfigError, PathError, StorageError, UserError
 
 ITEM = "items"
 CONFIG_ITEM = "config"
@@ -82,6 +95,19 @@ def read_config(location: Location) -> dict[str, Any] | None:
         raise CheckpointError(f"{location.config_file} is not valid JSON ({e})") from None
 
 
+def verify(location: Location) -> None:
+    """The checkpoint's files checked before anything reads them (`integrity.check_before_reading`:
+    its checksums, or, written before they were recorded, every stored chunk); damage is one
+    `CheckpointError` line naming the file and saying to convert again."""
+    source = None
+    with contextlib.suppress(CheckpointError, OSError):  # named by the check below
+        source = (read_config(location) or {}).get("converted_from")
+    again = "convert it again into a new folder"
+    if source:
+        again += f" (python -m MaxText.to_maxtext ... hf_model_path={source})"
+    check_before_reading(location.root / str(location.step), ITEM, again)
+
+
 def _checkpointer():
     import orbax.checkpoint as ocp
 
@@ -112,16 +138,22 @@ def stored_params(item_dir: Path) -> Any:
 
 
 @contextlib.contextmanager
-def _quiet_orbax():
+def _quiet_orbax(writing: bool = False):
     """orbax warns, through absl, about an item without its own _CHECKPOINT_METADATA and a
-    registry without jax.Array (both expected here)."""
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
+    registry without jax.Array (both expected here). `writing`: a write that fails is reported
+    by `write` in one line, so orbax's logged traceback of it, asyncio's reports of the writes it
+    abandons and their "Event loop is closed" noise are dropped too."""
+    loggers = [logging.getLogger("absl")] + ([logging.getLogger("asyncio")] if writing else [])
+    levels = [x.level for x in loggers]
+    for x in loggers:
+        x.setLevel(logging.CRITICAL if writing else logging.ERROR)
+    if writing:
+        quiet_abandoned_writes()
     try:
         yield
     finally:
-        absl_logger.setLevel(level)
+        for x, level in zip(loggers, levels, strict=True):
+            x.setLevel(level)
 
 
 def read_params(location: Location, abstract: Any, shardings: Sequence[Any] | None) -> Any:
@@ -209,18 +241,58 @@ def _streaming_registry():
     return ocp.type_handlers.create_type_handler_registry((LazyLeaf, StreamingNumpyHandler()))
 
 
-def write(root: str | os.PathLike, step: int, params: Any, config: dict[str, Any]) -> Path:
-    """Writes `{"params": params}` (a tree of `LazyLeaf`s) and `config` as `<root>/<step>`.
+STAGING = ".converting"  # `<root>/<step>.converting/`: a step being written (never read)
 
-    The step folder appears only when complete (orbax writes a temporary folder and renames
-    it). Refuses to overwrite an existing step. Returns the `items` folder."""
+
+def check_new_step(root: Path, step: int) -> None:
+    """`write(root, step, ...)` may go ahead: neither the step nor a step being written (left by
+    a conversion that was stopped) is in `root` (raises PathError)."""
+    for name, why in (
+        (str(step), "already exists; choose another base_output_directory or remove it"),
+        (f"{step}{STAGING}", "is left from a conversion that was stopped (or is running); "
+                             "remove it, or choose another base_output_directory"),
+    ):  # fmt: skip
+        if (root / name).exists():
+            raise PathError(f"base_output_directory={root}: {root / name} {why}")
+
+
+def write(root: str | os.PathLike, step: int, params: Any, config: dict[str, Any]) -> Path:
+    """Writes `{"params": params}` (a tree of `LazyLeaf`s) and `config` as `<root>/<step>` with
+    its `checksums.json`; returns the `items` folder.
+
+    orbax writes the step into `<root>/<step>.converting/`; its checksums are recorded there and
+    it is renamed into place, so `<root>/<step>` appears complete and checked, or not at all.
+    Refuses an existing step (`check_new_step`). When anything fails, the partial output is
+    removed (and `root` with the parents this call made); a storage failure (disk full,
+    permission, I/O) becomes one `StorageError` line naming the path and the errno. A
+    `UserError` raised by a leaf's producer (a tensor refused as it streams) propagates as it is.
+    """
     root = Path(root).absolute()
-    if (root / str(step)).exists():
-        raise ConfigError(
-            f"{root / str(step)} already exists; choose another base_output_directory or remove it"
-        )
-    with _quiet_orbax():
-        _save(root, step, params, config)
+    check_new_step(root, step)
+    staging = root / f"{step}{STAGING}"
+    made: list[Path] = []
+    mine = False  # whether `staging` is this call's (a concurrent writer's is never removed)
+    try:
+        made = make_dirs(root)
+        staging.mkdir()
+        mine = True
+        with _quiet_orbax(writing=True):
+            _save(staging, step, params, config)
+        record_checksums(staging / str(step))
+        os.rename(staging / str(step), root / str(step))
+        staging.rmdir()
+    except BaseException as e:
+        if mine:
+            shutil.rmtree(staging, ignore_errors=True)
+        remove_made(made)
+        if isinstance(e, FileExistsError) and not mine:
+            check_new_step(root, step)  # another conversion started meanwhile: named
+        if isinstance(e, Exception) and not isinstance(e, UserError) and classify(e) is not None:
+            raise StorageError(
+                f"writing {root / str(step)} failed: {describe_failure(e, staging)}; the partial "
+                f"output was removed; free space (or fix the permissions) and convert again"
+            ) from None
+        raise
     return root / str(step) / ITEM
 
 

@@ -10,11 +10,15 @@ it, unless CPU was asked for (`hardware=cpu`, or JAX's own `JAX_PLATFORMS=cpu`) 
 `nvidia-smi` is the driver's view, independent of whichever jaxlib is installed; a missing or
 failing `nvidia-smi` counts as no GPU. Standard library only, so it can run before jax starts
 (`MaxText.cluster.xla_flags` asks it whether a GPU run is coming).
+
+`compile_threads(platform)`: how many threads the engine compiles a pipelined step's programs on
+(the trainer passes it to `mpmd_jit_with_loop`): the free cores of a GPU host.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 
@@ -99,3 +103,22 @@ def check_backend(platform: str, *, hardware: str, allow_cpu_fallback: bool) -> 
     )
     if error is not None:
         raise ConfigError(error)
+
+
+MAX_COMPILE_THREADS = 32  # XLA's own compile of one program is already multi-threaded
+
+
+def compile_threads(platform: str, cores: int | None = None, load: float | None = None) -> int:
+    """Threads for compiling a pipelined step's programs concurrently: on a GPU host, the cores
+    this process may run on (`os.sched_getaffinity`) that the 1-minute load average leaves free,
+    at most `MAX_COMPILE_THREADS`; 0 (one program after the other) when fewer than 2 are free,
+    and on CPU hosts, whose cores run the devices themselves. `cores`, `load`: the host's
+    figures (read here when None)."""
+    if platform != "gpu":
+        return 0
+    if cores is None:
+        cores = len(os.sched_getaffinity(0))
+    if load is None:
+        load = os.getloadavg()[0]
+    free = int(cores - load)
+    return min(free, MAX_COMPILE_THREADS) if free >= 2 else 0

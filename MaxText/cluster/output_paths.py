@@ -4,7 +4,10 @@ A run that cannot write its checkpoints should say so in its first second, not a
 of minutes and the steps up to its first save. `writable_dir` creates a folder (and its parents)
 and proves that a file can be created, written and removed in it; `writable_file` does the same
 for the folder a file goes to (and refuses a folder or an unwritable file at that path);
-`readable_dir` checks an input folder. Each failure is a `PathError` with one line naming the
+`readable_dir` checks an input folder. `creatable_dir` proves the same as `writable_dir` without
+creating anything (the converters refuse bad input before they make their output folder), and
+`make_dirs` / `remove_made` create an output folder and take back exactly what was made when the
+write fails. Each failure is a `PathError` with one line naming the
 setting, the path, the operating system's reason with its errno name, and what to do, e.g.
 
     base_output_directory=/proc/x: cannot create folder /proc/x/run (No such file or directory,
@@ -61,6 +64,56 @@ def writable_dir(path: str | os.PathLike, key: str, shown: Path | None = None) -
     except OSError as e:
         raise _fail(key, shown, f"cannot write in {path}", e) from None
     return path
+
+
+def creatable_dir(path: str | os.PathLike, key: str) -> Path:
+    """`path` is a folder, or can be made one, where files can be written; nothing is created:
+    the probe runs in `path` or, when it does not exist yet, in its nearest existing ancestor
+    (which must be a folder). For tools that must refuse bad input before they write anything."""
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise PathError(f"{key}={path}: {path} is a file, not a folder; give a folder")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise _fail(key, path, f"cannot create folder {path}", f"{ancestor} is a file")
+    probe = ancestor / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as e:
+        what = f"cannot write in {path}" if ancestor == path else f"cannot create folder {path}"
+        raise _fail(key, path, what, e) from None
+    return path
+
+
+def make_dirs(path: Path) -> list[Path]:
+    """Creates folder `path` and its missing parents; returns the folders made (outermost
+    first), for `remove_made` to take back after a failure. If making one fails, those made
+    before it are removed and the OSError propagates."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+    except OSError:
+        remove_made(made)
+        raise
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    """Removes the folders `make_dirs` made (innermost first) that are empty again."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # something else is in it now: it stays, with its parents
 
 
 def writable_file(path: str | os.PathLike, key: str) -> Path:

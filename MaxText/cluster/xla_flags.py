@@ -6,10 +6,19 @@ XLA reads `XLA_FLAGS` once, when the first backend starts; an unknown flag abort
 `hardware=auto` on a host where `nvidia-smi` lists GPUs and jax[cuda12] is installed) and logs
 the flags in effect. A flag already in `XLA_FLAGS` keeps the user's value: set it there to
 override a default (e.g. `XLA_FLAGS=--xla_gpu_enable_triton_gemm=true`). Call it before anything
-touches a device (`train.main` does, right after loading the config).
+touches a device (`train.main` does, right after loading the config). `hardware=gpu` on a host
+where no GPU can be seen (no CUDA jaxlib, or `nvidia-smi` lists none) sets the flags without the
+log line: the device check then refuses the run, and its one line is all the user reads.
 
 The set follows MaxText's GPU recipes and NVIDIA's JAX performance notes; each flag says why it is
-here. `tests/test_xla_flags.py` checks that this jaxlib parses every one of them.
+here. `tests/test_gpu_defaults.py` checks that this jaxlib parses every one of them.
+
+The same call sets the share of each GPU's memory JAX preallocates for its pool to
+`GPU_MEM_FRACTION` (0.90) through `XLA_CLIENT_MEM_FRACTION`, jaxlib 0.10.2's name, when the user
+set neither it nor the deprecated `XLA_PYTHON_CLIENT_MEM_FRACTION` (jaxlib refuses to start with
+both). JAX's default, 0.75, leaves about 20 GB of an 80 GB H100 outside the pool, which the
+planner's memory budget counts on; 0.90 leaves 8 GB for what lives outside it (the CUDA context,
+NCCL's buffers, cuBLAS and cuDNN workspaces).
 """
 
 from __future__ import annotations
@@ -108,16 +117,33 @@ def gpu_expected(hardware: str) -> bool:
     return gpu_host.cuda_jaxlib_installed() and gpu_host.visible_gpu_count() > 0
 
 
+GPU_MEM_FRACTION = "0.90"
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
 def apply_gpu_defaults(hardware: str, environ: MutableMapping[str, str] = os.environ) -> list[str]:
-    """Adds `GPU_FLAGS` to `environ["XLA_FLAGS"]` when `gpu_expected(hardware)`, logs the flags
-    in effect and returns the ones added ([] when not a GPU run)."""
+    """Adds `GPU_FLAGS` to `environ["XLA_FLAGS"]` and the memory fraction (see the module
+    docstring) when `gpu_expected(hardware)`, logs what is in effect and returns the flags added
+    ([] when not a GPU run)."""
     if not gpu_expected(hardware):
         return []
     flags, added, kept = with_gpu_defaults(environ.get("XLA_FLAGS", ""))
     environ["XLA_FLAGS"] = flags
+    given = [name for name in MEM_FRACTION_VARS if environ.get(name)]
+    if not given:
+        environ["XLA_CLIENT_MEM_FRACTION"] = GPU_MEM_FRACTION
+    if hardware != "auto" and not gpu_expected("auto"):
+        return added  # no GPU to be seen here: the device check refuses the run next (one line)
     log.info(
         "XLA GPU flags: %s%s (defaults in MaxText/cluster/xla_flags.py; XLA_FLAGS overrides any)",
         " ".join(added) or "(none added)",
         f"; from XLA_FLAGS: {' '.join(kept)}" if kept else "",
+    )
+    name = given[0] if given else "XLA_CLIENT_MEM_FRACTION"
+    log.info(
+        "GPU memory JAX preallocates: %s=%s%s",
+        name,
+        environ[name],
+        "" if given else " (default; set XLA_CLIENT_MEM_FRACTION to change it)",
     )
     return added

@@ -14,6 +14,7 @@ from MaxText.config.loader import (  # noqa: F401  (the package's public names)
     CHOICES,
     CONFIGS_DIR,
     DATASET_TYPES,
+    DECODER_BLOCKS,
     Config,
     ConfigError,
     derived_fields,

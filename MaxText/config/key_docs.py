@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from MaxText.config.loader import ALIASES, CONFIGS_DIR, KEYS, TYPES
+from MaxText.config.loader import ALIASES, CONFIGS_DIR, KEYS, STRINGS, TYPES
 
 BASE_YML = CONFIGS_DIR / "base.yml"
 DEFAULT_PRESET = "tiny"  # base.yml's model_name (checked in key_docs)
@@ -41,7 +41,7 @@ class KeyDocError(ValueError):
 class KeyDoc:
     name: str
     group: str  # the `# ----` title above it in base.yml
-    type: str  # int | float | bool | str
+    type: str  # int | float | bool | str | list of str
     default: str  # as written in base.yml
     range: str  # "" when any value of the type goes
     doc: str
@@ -153,7 +153,7 @@ def key_docs() -> tuple[KeyDoc, ...]:
             KeyDoc(
                 name=name,
                 group=k["group"],
-                type=TYPES[name].__name__,
+                type="list of str" if TYPES[name] == STRINGS else TYPES[name].__name__,
                 default=k["default"],
                 range=describe_range(KEYS[name].metadata),
                 doc=k["doc"],

@@ -5,7 +5,9 @@
      (a path relative to itself);
   2. the preset `configs/models/<model_name>.yml`;
   3. with `load_parameters_path=`, the model keys saved with that checkpoint
-     (`checkpoint_keys.py`), so a converted checkpoint alone describes its model;
+     (`checkpoint_keys.py`), so a converted checkpoint alone describes its model; a `model_name`
+     the user chose (on the command line or in a YAML other than configs/base.yml) must then
+     agree with them (a disagreement is refused, naming both), not be silently overridden;
   4. the `key=value` tokens of `argv[1:]` (a key given twice with different values is refused).
 Values are parsed as YAML scalars and checked against the field's type, then against the
 constraints declared next to each field below (`key(ge=1)`, `key(choices=...)`), then against the
@@ -38,7 +40,7 @@ from typing import Any
 import yaml
 
 from jaxpp_integration.schedules import SCHEDULE_NAMES
-from MaxText.config.checkpoint_keys import checkpoint_values
+from MaxText.config.checkpoint_keys import MODEL_KEYS, checkpoint_values
 from MaxText.config.maxtext_compat import MAXTEXT_ALIASES, NO_EFFECT, VALUE_ALIASES
 from MaxText.config.mesh import DCN_KEYS, PARALLELISM_KEYS, fill_axes
 from MaxText.config.pipeline import REMAT_POLICIES, stage_layer_counts  # noqa: F401
@@ -53,6 +55,8 @@ ALIASES = {"pipeline_parallelism": "ici_pipeline_parallelism", **MAXTEXT_ALIASES
 ATTENTION_KERNELS = ("dot_product", "autoselected", "cudnn_flash", "chunked")
 DATASET_TYPES = ("text", "synthetic", "tfds", "grain")
 DTYPES = ("float32", "bfloat16", "float16")
+# The model families (MaxText/model/registry.py holds the same names: tests/test_families.py).
+DECODER_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt")
 
 
 def key(*, choices=None, ge=None, gt=None, le=None, lt=None, minus_one="", auto=False) -> Any:
@@ -98,7 +102,7 @@ class Config:
     global_batch_size: int = key(ge=0)
     max_target_length: int = key(ge=1)
     # model
-    decoder_block: str = key(choices=("llama", "gpt"))
+    decoder_block: str = key(choices=DECODER_BLOCKS)
     num_decoder_layers: int = key(ge=1)
     emb_dim: int = key(ge=1)
     num_query_heads: int = key(ge=1)
@@ -107,6 +111,15 @@ class Config:
     mlp_dim: int = key(ge=1)
     vocab_size: int = key(ge=1)
     logits_via_embedding: bool = key()
+    use_qk_norm: bool = key()
+    attention_bias: bool = key()
+    mlp_activations: tuple[str, ...] = key()  # each one of MLP_ACTIVATIONS (rules.py)
+    sliding_window_size: int = key(ge=0)
+    attn_logits_soft_cap: float = key(ge=0)
+    final_logits_soft_cap: float = key(ge=0)
+    query_pre_attn_scalar: float = key(ge=0)
+    use_post_attn_norm: bool = key()
+    use_post_ffw_norm: bool = key()
     normalization_layer_epsilon: float = key()
     rope_max_timescale: float = key(gt=1)
     rope_type: str = key(choices=("default", "llama3.1"))
@@ -160,16 +173,27 @@ class Config:
     grain_eval_files: str = key()
     grain_worker_count: int = key(ge=0)
     # ---- end of data
+    # post-training (MaxText's keys; chat_template and sft_truncation are ours)
+    use_sft: bool = key()
+    sft_train_on_completion_only: bool = key()
+    sft_truncation: str = key(choices=("right", "drop"))
+    chat_template: str = key()
+    use_dpo: bool = key()
+    dpo_beta: float = key(gt=0)
+    dpo_label_smoothing: float = key(ge=0, lt=0.5)
     # generation
     prompt: str = key()
     max_prefill_predict_length: int = key()
     max_predict_length: int = key()
     decode_sampling_strategy: str = key(choices=("greedy", "weighted", "topk"))
-    decode_sampling_temperature: float = key()
+    decode_sampling_temperature: float = key(gt=0)
     decode_sampling_top_k: int = key(ge=1)
+    use_chat_template: bool = key()
+    chat_prompt_file: str = key()
     # Hugging Face checkpoints
     hf_model_path: str = key()
     hf_output_path: str = key()
+    hf_overwrite: bool = key()
     hf_output_dtype: str = key(choices=("", "bfloat16", "float32", "float16"))
     hf_max_shard_mb: float = key(gt=0)
     # attention kernel and profiler (MaxText's keys)
@@ -329,7 +353,14 @@ def derived_fields() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------- one key at a time
 
-_KIND = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+STRINGS = tuple[str, ...]  # a list key (YAML `[a, b]`, or `a,b` on the command line)
+_KIND = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    STRINGS: "a list of strings",
+}
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -350,6 +381,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return number
     if kind in (int, bool) and type(value) is kind:  # True is not an integer here
         return value
+    if kind == STRINGS and isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if (
+        kind == STRINGS
+        and isinstance(value, list | tuple)
+        and all(isinstance(x, str) for x in value)
+    ):
+        return tuple(value)
     raise ConfigError(f"{name}={value!r} ({source}): expected {_KIND[kind]}")
 
 
@@ -471,6 +510,31 @@ def _find_preset(name: str, config_path: Path) -> Path:
     raise ConfigError(f"model_name={name}: no configs/models/{name}.yml; {hint}")
 
 
+def _check_preset(
+    named: tuple[Any, str],
+    below: Mapping[str, tuple[Any, str]],
+    saved: Mapping[str, Any],
+    command_line: Mapping[str, tuple[Any, str]],
+    path: str,
+) -> None:
+    """A `model_name` the user chose (command line or own YAML) must describe the model the
+    checkpoint at `path` holds: the first model key the checkpoint and the preset (with the YAML
+    below it) set differently is refused, unless the command line sets that key itself."""
+    name, where = named
+    for key in MODEL_KEYS:
+        if key not in saved or key not in below or key in command_line:
+            continue
+        have = _checked(key, _coerce(key, saved[key], f"checkpoint {path}"), KEYS[key].metadata)
+        want = _checked(key, _coerce(key, *below[key]), KEYS[key].metadata)
+        if have != want:
+            source = "on the command line" if where == "command line" else f"in {where}"
+            raise ConfigError(
+                f"model_name={name} ({source}) sets {key}={want!r} but load_parameters_path="
+                f"{path} holds a model with {key}={have!r}; leave model_name out to take the "
+                f"model from the checkpoint"
+            )
+
+
 def load_config(argv: Sequence[str]) -> Config:
     """Builds the Config from `argv = [yaml_path, "key=value", ...]` (see the module docstring)."""
     if not argv:
@@ -491,7 +555,11 @@ def load_config(argv: Sequence[str]) -> Config:
         path = str(parameters[0])
         if not Path(path).exists():
             raise ConfigError(f"load_parameters_path={path} does not exist")
-        layers.append({k: (v, f"checkpoint {path}") for k, v in checkpoint_values(path).items()})
+        saved = checkpoint_values(path)
+        named = command_line.get("model_name", layers[0].get("model_name"))
+        if named is not None and named[1] != str(CONFIGS_DIR / "base.yml"):
+            _check_preset(named, below, saved, command_line, path)
+        layers.append({k: (v, f"checkpoint {path}") for k, v in saved.items()})
     layers.append(command_line)  # 4. the command line
     values = {name: value for layer in layers for name, value in layer.items()}
 

@@ -1,7 +1,7 @@
 """MaxText's key names and values, resolved onto this trainer's keys (used by the loader).
 
 MaxText users set the model through `base_*` keys scaled by `global_parameter_scale`, name
-decoder blocks after models (`llama2`, `gpt3`, `mistral`), and derive pipeline repeats from
+decoder blocks after models (`llama2`, `gpt3`), and derive pipeline repeats from
 `num_layers_per_pipeline_stage`. Here `base_emb_dim` & co. are other names of `emb_dim` & co.
 (`MAXTEXT_ALIASES`), MaxText's block names other names of ours (`VALUE_ALIASES`), and
 `apply_parameter_scale` / `pipeline_repeats` rewrite the values before the rules between keys
@@ -23,9 +23,8 @@ MAXTEXT_ALIASES = {
     "base_mlp_dim": "mlp_dim",
     "base_num_decoder_layers": "num_decoder_layers",
 }
-# MaxText decoder_block values that are one of this trainer's blocks (MaxText's mistral block is
-# the llama2 block; sliding-window attention is not part of it).
-VALUE_ALIASES = {"decoder_block": {"llama2": "llama", "mistral": "llama", "gpt3": "gpt"}}
+# MaxText decoder_block values that are other names of this trainer's blocks.
+VALUE_ALIASES = {"decoder_block": {"llama2": "llama", "gpt3": "gpt"}}
 # MaxText keys accepted with no effect here, and why (they are dropped at load).
 NO_EFFECT = {
     "override_model_config": "a model preset never conflicts with the command line: command-line "

@@ -37,6 +37,7 @@ def derive(v: dict[str, Any]) -> None:
     _processes(v)
     _model_shape(v)
     _data(v)
+    _post_training(v)
     _attention(v)
     auto_defaults(v)
     filled_axis({k: v[k] for k in PARALLELISM_KEYS})
@@ -44,6 +45,7 @@ def derive(v: dict[str, Any]) -> None:
     if not (processes_pending(v) or axes_pending(v)):
         derive_mesh(v)
         derive_pipeline(v)
+        _dpo_pairs(v)
 
     if v["learning_rate_schedule_steps"] == -1:
         v["learning_rate_schedule_steps"] = v["steps"]
@@ -87,6 +89,7 @@ def _model_shape(v: dict[str, Any]) -> None:
             f"num_query_heads={v['num_query_heads']} must be a multiple of "
             f"num_kv_heads={v['num_kv_heads']} (grouped-query attention)"
         )
+    _mlp_activations(v)
     low, high = v["rope_low_freq_factor"], v["rope_high_freq_factor"]
     if v["rope_type"] == "llama3.1" and not low < high:
         raise ConfigError(
@@ -94,8 +97,38 @@ def _model_shape(v: dict[str, Any]) -> None:
         )
 
 
+# `mlp_activations` names (MaxText's); MaxText/model/mlp.py implements the same (a test checks).
+MLP_ACTIVATIONS = ("silu", "gelu", "relu", "linear")
+# gpt's MLP is fixed (GELU with biases): base.yml's default or MaxText's gpt3 value name it.
+_GPT_ACTIVATIONS = (("silu", "linear"), ("gelu",))
+
+
+def _mlp_activations(v: dict[str, Any]) -> None:
+    acts = v["mlp_activations"]
+    if v["decoder_block"] == "gpt":
+        if acts not in _GPT_ACTIVATIONS:
+            raise ConfigError(
+                f"mlp_activations={list(acts)}: decoder_block=gpt's MLP is GELU with biases "
+                "(mlp_activations applies to the gated MLP of the other families); leave it out"
+            )
+        return
+    unknown = [a for a in acts if a not in MLP_ACTIVATIONS]
+    if len(acts) != 2 or unknown:
+        raise ConfigError(
+            f"mlp_activations={list(acts)} must be two of {' | '.join(MLP_ACTIVATIONS)} "
+            "(the gated MLP's act0(x W0) * act1(x W1); SwiGLU: [silu, linear])"
+        )
+
+
 def _attention(v: dict[str, Any]) -> None:
-    """cudnn_flash's dtype and packed rows (whether it has a GPU: `devices.setup`)."""
+    """cudnn_flash's dtype and packed rows (whether it has a GPU: `devices.setup`); the
+    jax.nn.dot_product_attention kernels cannot soft-cap."""
+    if v["attn_logits_soft_cap"] and v["attention"] in ("cudnn_flash", "autoselected"):
+        raise ConfigError(
+            f"attention={v['attention']} cannot soft-cap attention logits "
+            f"(attn_logits_soft_cap={v['attn_logits_soft_cap']}: jax.nn.dot_product_attention "
+            "has no soft cap); use attention=chunked (memory-efficient) or dot_product"
+        )
     if v["attention"] == "cudnn_flash" and v["dtype"] == "float32":
         raise ConfigError(
             "attention=cudnn_flash needs dtype=bfloat16 or float16 (cuDNN flash attention has no "
@@ -131,4 +164,32 @@ def _data(v: dict[str, Any]) -> None:
         raise ConfigError(
             f"packing=false is not supported with dataset_type={v['dataset_type']}, which "
             "concatenates documents into windows; use dataset_type=grain for one document per row"
+        )
+
+
+def _post_training(v: dict[str, Any]) -> None:
+    """use_sft / use_dpo read prepared chat / preference shards (`prepare --format ...`)."""
+    if v["use_sft"] and v["use_dpo"]:
+        raise ConfigError("use_sft=true and use_dpo=true: choose one (DPO data has its own format)")
+    for key, fmt in (("use_sft", "chat"), ("use_dpo", "preference")):
+        if v[key] and v["dataset_type"] != "grain":
+            raise ConfigError(
+                f"{key}=true reads shards of python -m MaxText.data.prepare --format {fmt}: set "
+                f"dataset_type=grain and grain_train_files= (dataset_type={v['dataset_type']})"
+            )
+    if v["use_chat_template"] and not v["chat_prompt_file"]:
+        raise ConfigError(
+            "use_chat_template=true needs chat_prompt_file= (a JSON file of messages: "
+            '[{"role": "user", "content": "..."}])'
+        )
+
+
+def _dpo_pairs(v: dict[str, Any]) -> None:
+    """A preference pair's two rows (2k, 2k + 1) must fall into one microbatch."""
+    if v["use_dpo"] and v["microbatch_size"] % 2:
+        raise ConfigError(
+            f"use_dpo=true needs an even microbatch size (a pair's chosen and rejected rows share "
+            f"a microbatch), but global_batch_size={v['global_batch_size']} / "
+            f"{v['num_pipeline_microbatches']} microbatches = {v['microbatch_size']}; use an even "
+            "global_batch_size / num_pipeline_microbatches"
         )

@@ -74,12 +74,9 @@ UNSUPPORTED: dict[str, str] = {
     "capacity_factor": _MOE,
     "load_balance_loss_weight": _MOE,
     "shared_experts": _MOE,
-    "mlp_activations": "fixed by decoder_block: llama = SwiGLU (silu, linear), gpt = GELU",
-    "attention_type": "global causal attention only (no sliding window, chunked or MLA)",
-    "sliding_window_size": "global causal attention only (no sliding window)",
-    "attn_logits_soft_cap": "logit soft-capping is not implemented",
-    "final_logits_soft_cap": "logit soft-capping is not implemented",
-    "use_qk_norm": "QK-norm is not implemented",
+    "attention_type": "set by the family: decoder_block=mistral and gemma2 attend locally "
+    "within sliding_window_size (Gemma 2: its even layers); chunked and MLA attention are not "
+    "implemented",
     "rope_min_timescale": "RoPE frequencies start at 1 (rope_max_timescale sets the base)",
     "fused_qkv": "separate q/k/v projections only",
     "fused_mlp": "separate mlp projections only",
@@ -180,10 +177,7 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
             name: "this block (its own norms and attention variants) is not implemented"
             for name in (
                 "gemma",
-                "gemma2",
                 "gemma3",
-                "qwen2",
-                "qwen3",
                 "olmo3",
                 "simple",
                 "simple_mlp",

@@ -15,12 +15,18 @@ the weights as safetensors in `hf_output_dtype` ("" = the dtype stored in the ch
 `model.safetensors`, or shards of at most `hf_max_shard_mb` MB with `model.safetensors.index.json`.
 Streaming: the checkpoint is read one group of tensors at a time (the embedding, then each decoder
 layer, then the norm and head) and each tensor is written out before the next group is read.
+
+`prepare(config)` makes every check first (the checkpoint's files against their checksums, its
+parameters' names and shapes, the dtype, the tokenizer), reading only metadata; `write(plan,
+folder)` then streams, refusing a tensor with NaN or infinite values (or one the cast overflows)
+as it goes. `python -m MaxText.to_huggingface` checks the output folder before both and gives
+`write` a staging folder (`output.py`), so a refusal or a failure leaves no output behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,16 +35,16 @@ from typing import Any
 import numpy as np
 
 from MaxText.checkpoint import parameters
+from MaxText.checkpoint.integrity import check_before_reading
 from MaxText.checkpoint.manager import find_step_dir, saved_config
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.config.checkpoint_keys import saved_config as saved_config_of
-from MaxText.convert import hf_config
+from MaxText.convert import hf_config, tokenizer_files
+from MaxText.convert.checks import load_checked_tokenizer, require_finite
 from MaxText.convert.importer import SOURCE_CONFIG, SOURCE_GENERATION_CONFIG
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsWriter
 from MaxText.errors import CheckpointError
-
-log = logging.getLogger("MaxText")
 
 
 def export_config(argv: Sequence[str]) -> Config:
@@ -107,17 +113,41 @@ def _get(tree: Any, path: Sequence[str]) -> Any:
     return tree
 
 
-def _tokenizer(config: Config) -> Any | None:
-    if not config.tokenizer_path:
-        return None
-    from MaxText.data.tokenizer import load_tokenizer
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """What `prepare` checked and `write` streams: the source item and its tensors, the dtype to
+    write, the tokenizer (or None) and the converted checkpoint the model descends from."""
 
-    return load_tokenizer(config.tokenizer_path, config.tokenizer_type)
+    config: Config
+    item_dir: Path
+    step: int
+    stored: Any
+    tensors: list[Tensor]
+    dtype: np.dtype
+    dtype_name: str
+    tokenizer: Any
+    source: dict[str, Any]
 
 
-def export(config: Config) -> Path:
-    """Writes the Hugging Face folder `config.hf_output_path` (see the module docstring)."""
+def verify_source(item_dir: Path) -> None:
+    """The checkpoint's files checked against their checksums before the export reads them
+    (damage: one `checkpoint error:` line naming the file)."""
+    location = parameters.locate(item_dir)
+    if location is not None:
+        parameters.verify(location)
+        return
+    check_before_reading(
+        item_dir.parent,
+        item_dir.name,
+        f"export another step of the run (load_parameters_path={item_dir.parent.parent}/<step>)",
+    )
+
+
+def prepare(config: Config) -> ExportPlan:
+    """Every check of the export, before anything is written: the checkpoint's files, its
+    parameters' names and shapes, the dtype, the tokenizer (`checks.load_checked_tokenizer`)."""
     item_dir, step = source_item(config.load_parameters_path)
+    verify_source(item_dir)
     try:
         stored = parameters.stored_params(item_dir)
     except (OSError, ValueError) as e:
@@ -142,42 +172,52 @@ def export(config: Config) -> Path:
     import ml_dtypes
 
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    tokenizer = load_checked_tokenizer(config)
+    source = converted_source(config.load_parameters_path)
+    return ExportPlan(config, item_dir, step, stored, tensors, dtype, dtype_name, tokenizer, source)
 
-    out = Path(config.hf_output_path).expanduser().absolute()
+
+def write(plan: ExportPlan, folder: Path) -> list[str]:
+    """Streams the weights into `folder` (every tensor checked finite as it goes), then writes
+    config.json, generation_config.json and the tokenizer file; returns the weight files."""
+    config, dtype = plan.config, plan.dtype
     writer = SafetensorsWriter(
-        out,
-        [(t.hf_name, t.hf_shape, dtype) for t in tensors],
+        folder,
+        [(t.hf_name, t.hf_shape, dtype) for t in plan.tensors],
         max_shard_bytes=int(config.hf_max_shard_mb * 1e6),
     )
-    for group in _groups(tensors):
-        values = parameters.read_subtree(item_dir, {"params": _subtree(group, stored)})["params"]
-        for t in group:
-            writer.write(t.hf_name, t.to_hf(_get(values, t.path)).astype(dtype))
-        del values
-    files = writer.close()
+    where = f"checkpoint {plan.item_dir}"
+    try:
+        for group in _groups(plan.tensors):
+            subtree = {"params": _subtree(group, plan.stored)}
+            values = parameters.read_subtree(plan.item_dir, subtree)["params"]
+            for t in group:
+                value = t.to_hf(_get(values, t.path))
+                with np.errstate(over="ignore"):  # an overflow is refused just below
+                    cast = value.astype(dtype)
+                writer.write(t.hf_name, require_finite(cast, t.hf_name, where, value))
+            del values
+        files = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
-    source = converted_source(config.load_parameters_path)
-    tokenizer = _tokenizer(config)
+    tokenizer, source = plan.tokenizer, plan.source
     bos = tokenizer.bos_id if tokenizer is not None and config.add_bos else -1
     eos = tokenizer.eos_id if tokenizer is not None else -1
-    written = hf_config.hf_config(config, dtype_name, bos, eos, source=source.get(SOURCE_CONFIG))
-    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    written = hf_config.hf_config(
+        config, plan.dtype_name, bos, eos, source=source.get(SOURCE_CONFIG)
+    )
+    (folder / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     generation = source.get(SOURCE_GENERATION_CONFIG) or hf_config.generation_config(bos, eos)
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if config.tokenizer_path:
         name = "tokenizer.json" if config.tokenizer_type == "huggingface" else "tokenizer.model"
-        source = Path(config.tokenizer_path)
-        if source.is_dir():
-            source = source / name
-        if source.resolve() != (out / name).resolve():
-            shutil.copyfile(source, out / name)
-    log.info(
-        "wrote %s: %d tensors in %s (%s) from checkpoint step %d (%s)",
-        out,
-        len(tensors),
-        dtype_name,
-        ", ".join(files),
-        step,
-        item_dir,
-    )
-    return out
+        tokenizer_file = Path(config.tokenizer_path)
+        if tokenizer_file.is_dir():
+            tokenizer_file = tokenizer_file / name
+        shutil.copyfile(tokenizer_file, folder / name)
+        # its tokenizer_config.json and chat template (config.json, generation_config.json: ours)
+        skip = (name, "generation_config.json")
+        tokenizer_files.copy_tokenizer_files(tokenizer_file.parent, folder, skip=skip)
+    return files

@@ -64,7 +64,13 @@ def _family(hf: dict[str, Any], where: str):
         model_type = hf.get("model_type", "llama")
         arch = [a for a in known if family_for_architecture(a).hf.model_type == model_type][:1]
     family = family_for_architecture(arch[0]) if len(arch) == 1 else None
-    if family is None or hf.get("model_type", family.hf.model_type) != family.hf.model_type:
+    model_type = hf.get("model_type", family.hf.model_type if family else None)
+    if family is not None and model_type != family.hf.model_type:
+        raise ConfigError(
+            f"{where}: model_type={model_type!r} does not match architectures={arch!r} (model_type "
+            f"{family.hf.model_type!r}); the file is inconsistent: fix model_type or architectures"
+        )
+    if family is None:
         names = ", ".join(f"{a} (model_type {family_for_architecture(a).hf.model_type})"
                           for a in known)  # fmt: skip
         raise _refuse(where, "architectures", hf.get("architectures"), f"only {names} convert"
@@ -95,8 +101,8 @@ def model_keys(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]
     family = _family(hf, where)
     fmt = family.hf
     for field, (allowed, why) in fmt.accepted.items():
-        if hf.get(field) not in allowed:
-            raise _refuse(where, field, hf[field], why)
+        if hf.get(field, fmt.defaults.get(field)) not in allowed:
+            raise _refuse(where, field, hf.get(field, fmt.defaults.get(field)), why)
     missing = [f for f in COMMON_FIELDS.values() if f not in hf]
     if missing:
         raise ConfigError(f"{where} lacks {', '.join(missing)}; is it a {fmt.architecture}?")
@@ -113,16 +119,20 @@ def model_keys(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]
         head_dim = keys["emb_dim"] // heads
     keys["head_dim"] = int(head_dim)
     keys["decoder_block"] = family.name
-    keys["normalization_layer_epsilon"] = float(hf.get("rms_norm_eps", 1e-6))
-    keys["rope_max_timescale"] = float(hf.get("rope_theta", 10000.0))
-    keys["logits_via_embedding"] = bool(hf.get("tie_word_embeddings", False))
+
+    def get(field: str, fallback: Any) -> Any:  # an absent field means the family's default
+        return hf[field] if field in hf else fmt.defaults.get(field, fallback)
+
+    keys["normalization_layer_epsilon"] = float(get("rms_norm_eps", 1e-6))
+    keys["rope_max_timescale"] = float(get("rope_theta", 10000.0))
+    keys["logits_via_embedding"] = bool(get("tie_word_embeddings", False))
     keys.update(_rope_keys(hf, where))
+    keys.update(fmt.fixed)
     for ours, field in fmt.fields.items():
         if ours not in COMMON_FIELDS:
-            keys[ours] = hf[field]
+            keys[ours] = get(field, None)
     if fmt.read is not None:
-        keys.update(fmt.read(hf, where))
-    keys.update(fmt.fixed)
+        keys.update(fmt.read({**fmt.defaults, **hf}, where))
     return keys
 
 
@@ -172,6 +182,7 @@ def _fresh(config: Any) -> dict[str, Any]:
     if c.rope_type == "llama3.1":
         max_positions = int(c.rope_original_max_position_embeddings * c.rope_scaling_factor)
     out = {"architectures": [fmt.architecture], "model_type": fmt.model_type}
+    out.update(fmt.template)
     out.update(owned_fields(c))
     out.update({
         "max_position_embeddings": max(max_positions, c.max_target_length),

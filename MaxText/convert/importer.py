@@ -8,15 +8,19 @@
 config.json (`hf_config.model_keys`) as a layer between the YAML files and the command line; with
 `model_name=` on the command line they must equal that preset's instead (one line naming the first
 field that differs). A tokenizer in DIR (`tokenizer.json` -> `tokenizer_type=huggingface`, else
-`tokenizer.model` -> sentencepiece) becomes `tokenizer_path` unless one is given.
+`tokenizer.model` -> sentencepiece) becomes `tokenizer_path` unless one is given; the folder's
+tokenizer files (`tokenizer_files.py`: with tokenizer_config.json, chat_template.jinja and
+generation_config.json) are copied into `OUT/tokenizer/`, which `tokenizer_path` then names.
 
 `convert(config)` checks every tensor's presence and shape first (nothing is written for a
 checkpoint that does not fit), then streams: each tensor is read from its safetensors file when
-orbax writes it, put into our layout by its family's table (`layout.py`), cast to `weight_dtype`
-and dropped, so memory holds one tensor at a time. Output: `OUT/0/items` + `OUT/0/config`
-(`MaxText/checkpoint/parameters.py`), loadable with `load_parameters_path=OUT/0/items` (or `OUT`)
-into any layout. The config item also keeps the source's `config.json` (and
-`generation_config.json`) as they were, which `to_huggingface` writes back.
+orbax writes it, put into our layout by its family's table (`layout.py`), cast to `weight_dtype`,
+checked finite (a NaN or infinity refuses the conversion naming the tensor, and the partial
+output is removed) and dropped, so memory holds one tensor at a time. Output: `OUT/0/items` +
+`OUT/0/config` (`MaxText/checkpoint/parameters.py`, with `checksums.json`), loadable with
+`load_parameters_path=OUT/0/items` (or `OUT`) into any layout. The config item also keeps the
+source's `config.json` (and `generation_config.json`) as they were, which `to_huggingface` writes
+back.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import numpy as np
 from MaxText.checkpoint import parameters
 from MaxText.checkpoint.manager import FORMAT_VERSION
 from MaxText.config import ALIASES, Config, ConfigError, load_config
-from MaxText.convert import hf_config
+from MaxText.convert import hf_config, tokenizer_files
+from MaxText.convert.checks import require_finite
 from MaxText.convert.layout import Tensor, tensors_for
 from MaxText.convert.safetensors_io import SafetensorsError, SafetensorsReader
 from MaxText.model import family_of
@@ -64,6 +69,8 @@ def _cli_value(argv: Sequence[str], key: str) -> str | None:
 def _token(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return f"{key}={'true' if value else 'false'}"
+    if isinstance(value, list | tuple):  # a list key: YAML's flow sequence
+        return f"{key}=[{', '.join(str(x) for x in value)}]"
     return f"{key}={value}"
 
 
@@ -73,9 +80,15 @@ def read_hf_config(folder: Path, name: str = "config.json") -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"hf_model_path={folder} has no config.json (not a Hugging Face folder)")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(raw).__name__}, not an object of fields; is it a Hugging "
+            f"Face {name}?"
+        )
+    return raw
 
 
 def tokenizer_keys(folder: Path) -> dict[str, str]:
@@ -148,6 +161,15 @@ def check_tensors(
         )
 
 
+def _tokenizer_copy(config: Config, folder: Path, out: Path) -> Path | None:
+    """Where the folder's own tokenizer goes in the checkpoint (`OUT/tokenizer/`, with the other
+    `tokenizer_files.TOKENIZER_FILES`), None when the tokenizer is not the folder's."""
+    source = Path(config.tokenizer_path) if config.tokenizer_path else None
+    if source is None or source.parent.absolute() != folder:
+        return None
+    return out / tokenizer_files.FOLDER / source.name
+
+
 def _nest(leaves: dict[tuple[str, ...], Any]) -> dict:
     tree: dict = {}
     for path, leaf in leaves.items():
@@ -168,16 +190,29 @@ def convert(config: Config, folder: Path) -> Path:
     check_tensors(reader, tensors, folder, family_of(config).hf.architecture)
     dtype = _dtype(config.weight_dtype)
 
-    def producer(t: Tensor):
-        return lambda: t.to_ours(reader.read(t.hf_name)).astype(dtype)
+    where = f"hf_model_path={folder}"
+
+    def producer(t: Tensor):  # each tensor checked finite as it streams (checks.py)
+        def produce():
+            value = t.to_ours(reader.read(t.hf_name))
+            with np.errstate(over="ignore"):  # an overflow is refused just below
+                cast = value.astype(dtype)
+            return require_finite(cast, t.hf_name, where, value)
+
+        return produce
 
     leaves = {t.path: parameters.LazyLeaf(t.shape, dtype, producer(t)) for t in tensors}
+    out = Path(config.base_output_directory).expanduser().absolute()
+    tokenizer_copy = _tokenizer_copy(config, folder, out)
+    if tokenizer_copy is not None:  # the checkpoint names its own copy (made after the weights)
+        config = config.replace(tokenizer_path=str(tokenizer_copy))
     saved = {"format": FORMAT_VERSION, **config.to_dict(), "converted_from": str(folder)}
     saved[SOURCE_CONFIG] = read_hf_config(folder)
     if (folder / "generation_config.json").is_file():
         saved[SOURCE_GENERATION_CONFIG] = read_hf_config(folder, "generation_config.json")
-    out = Path(config.base_output_directory).expanduser().absolute()
     items = parameters.write(out, 0, _nest(leaves), saved)
+    if tokenizer_copy is not None:
+        tokenizer_files.copy_tokenizer_files(folder, tokenizer_copy.parent)
     total = sum(leaf.nbytes for leaf in leaves.values())
     log.info(
         "wrote %s: %d tensors, %.3f GB in %s; train with load_parameters_path=%s",

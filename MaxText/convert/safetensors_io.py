@@ -15,6 +15,7 @@ the next tensor would pass `max_shard_bytes`, and the index is written when ther
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -148,7 +149,8 @@ class SafetensorsWriter:
     One `model.safetensors` when everything fits in `max_shard_bytes`, else shards
     `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Files are written under
     temporary names and renamed by `close()`, so an interrupted export leaves no file that looks
-    complete."""
+    complete; after a failure `abort()` closes the open file. A failed write's OSError names the
+    file (ENOSPC from `write` names none)."""
 
     def __init__(
         self,
@@ -180,14 +182,41 @@ class SafetensorsWriter:
         self._handle = None
         self._shard = -1
 
+    def _path(self) -> Path:
+        return self.folder / (self.files[self._shard] + ".tmp")
+
     def _open(self, shard: int) -> None:
-        if self._handle is not None:
-            self._handle.close()
+        self._close_file()
         text = json.dumps(self._headers[shard], separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # data aligned to 8 bytes, as the reference writer does
-        self._handle = open(self.folder / (self.files[shard] + ".tmp"), "wb")
-        self._handle.write(struct.pack("<Q", len(text)) + text)
         self._shard = shard
+        with self._naming_the_file():
+            self._handle = open(self._path(), "wb")
+            self._handle.write(struct.pack("<Q", len(text)) + text)
+
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """An OSError of a write (which names no file: ENOSPC, EIO) names the shard's."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is None and e.errno:
+                raise OSError(e.errno, e.strerror, str(self._path())) from e
+            raise
+
+    def _close_file(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            with self._naming_the_file():
+                handle.close()
+
+    def abort(self) -> None:
+        """Closes the open file after a failure (its partial contents are the caller's to
+        remove); never raises."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                handle.close()
 
     def write(self, name: str, array: np.ndarray) -> None:
         want_name, shape, dtype = self._specs[self._next]
@@ -200,16 +229,15 @@ class SafetensorsWriter:
         if shard != self._shard:
             self._open(shard)
         data = np.ascontiguousarray(array)  # the machine's byte order is little-endian (checked)
-        self._handle.write(memoryview(data.reshape(-1).view(np.uint8)))
+        with self._naming_the_file():
+            self._handle.write(memoryview(data.reshape(-1).view(np.uint8)))
         self._next += 1
 
     def close(self) -> list[str]:
         """Finishes the files (and the index when sharded); returns the file names written."""
         if self._next != len(self._specs):
             raise AssertionError(f"{len(self._specs) - self._next} tensors were not written")
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        self._close_file()
         for name in self.files:
             os.replace(self.folder / (name + ".tmp"), self.folder / name)
         if len(self.files) > 1:

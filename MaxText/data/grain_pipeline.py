@@ -26,6 +26,11 @@ with any `grain_worker_count` (grain's prefetch keeps element order whatever the
 a checkpoint also resumes with a different worker count. A different process count or data
 changes the stream; `set_state` rejects a state whose fingerprint differs.
 
+Chat and preference shards (`prepare --format chat|preference`, the manifest's `kind`) hold
+(ids, loss mask) records, or pairs of them; `Packer` packs a window of them with
+`doc_packing.pack_examples` / `pack_pairs` (masks kept, never split, pairs in adjacent rows) and
+the rows also carry `doc_packing.COUNT_KEYS` (examples cut to fit, or left out).
+
 Evaluation reads every held-out document in file order on every process (no shuffle, in the
 trainer's process), packs them the same way, and gives process p rows `[p*B/P, (p+1)*B/P)` of
 each global batch, so every process runs the same number of eval batches; the last batch is
@@ -34,6 +39,7 @@ filled with all-padding rows.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -47,6 +53,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from MaxText.data import chat as chat_lib
 from MaxText.data import doc_packing
 from MaxText.data import iterator as iterator_lib
 from MaxText.data import prepare as prepare_lib
@@ -102,6 +109,15 @@ class TokenShards:
     @property
     def tokenizer_path(self) -> pathlib.Path:
         return self.folder / self.manifest["tokenizer"]
+
+    @property
+    def tokenizer_type(self) -> str:
+        return self.manifest.get("tokenizer_type", "sentencepiece")
+
+    @property
+    def kind(self) -> str:
+        """text (documents), chat (examples with loss masks) or preference (pairs)."""
+        return self.manifest.get("kind", "text")
 
     def source(self) -> CheckedSource:
         return CheckedSource(self.files, self.records)
@@ -181,31 +197,60 @@ class CheckedSource:
 
 
 class _Decode:
-    """ArrayRecord bytes -> int32 token ids (a picklable callable, so it runs in grain workers)."""
+    """ArrayRecord bytes -> int32 token ids, or for chat / preference shards (ids, mask) / a pair
+    of them (`chat.py`). A picklable callable, so it runs in grain workers."""
 
-    def __init__(self, dtype: np.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: np.dtype, kind: str = "text"):
+        self.dtype, self.kind = dtype, kind
 
-    def __call__(self, record: bytes) -> np.ndarray:
+    def __call__(self, record: bytes):
+        if self.kind == "chat":
+            return chat_lib.decode_example(record, self.dtype)
+        if self.kind == "preference":
+            return chat_lib.decode_pair(record, self.dtype)
         return np.frombuffer(record, self.dtype).astype(np.int32)
 
 
-class _PackWindow:
-    """A list of documents -> their packed rows (picklable; runs in grain workers)."""
+@dataclasses.dataclass(frozen=True)
+class Packer:
+    """A window of records -> its packed rows (picklable; runs in grain workers): documents by
+    `pack_rows`, chat examples by `pack_examples`, preference pairs by `pack_pairs`."""
 
-    def __init__(self, seq_len: int, packing: bool, pad_id: int):
-        self.seq_len, self.packing, self.pad_id = seq_len, packing, pad_id
+    seq_len: int
+    packing: bool
+    pad_id: int
+    kind: str = "text"
+    truncation: str = "right"
+    completion_only: bool = True
 
-    def __call__(self, docs: list[np.ndarray]) -> dict[str, np.ndarray]:
-        return doc_packing.pack_rows(docs, self.seq_len, packing=self.packing, pad_id=self.pad_id)
+    def __call__(self, records: list) -> dict[str, np.ndarray]:
+        if self.kind == "chat":
+            return doc_packing.pack_examples(
+                records,
+                self.seq_len,
+                packing=self.packing,
+                pad_id=self.pad_id,
+                truncation=self.truncation,
+                completion_only=self.completion_only,
+            )
+        if self.kind == "preference":
+            return doc_packing.pack_pairs(
+                records, self.seq_len, pad_id=self.pad_id, truncation=self.truncation
+            )
+        return doc_packing.pack_rows(
+            records, self.seq_len, packing=self.packing, pad_id=self.pad_id
+        )
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        counts = doc_packing.COUNT_KEYS if self.kind != "text" else ()
+        return (*doc_packing.ROW_KEYS, *counts)
 
 
 def train_windows(
     shards: TokenShards,
     *,
-    seq_len: int,
-    packing: bool,
-    pad_id: int,
+    packer: Packer,
     seed: int,
     process_index: int,
     process_count: int,
@@ -220,10 +265,8 @@ def train_windows(
         )
     # "Endless": 2**40 documents (grain's slicing needs a length that fits an index).
     epochs = max(1, ENDLESS_DOCUMENTS // len(docs))
-    docs = docs.shuffle(seed=seed).repeat(epochs).map(_Decode(shards.dtype))
-    return docs.batch(documents_per_window, batch_fn=list).map(
-        _PackWindow(seq_len, packing, pad_id)
-    )
+    docs = docs.shuffle(seed=seed).repeat(epochs).map(_Decode(shards.dtype, shards.kind))
+    return docs.batch(documents_per_window, batch_fn=list).map(packer)
 
 
 def _worker_init(_index: int, _count: int) -> None:
@@ -341,18 +384,16 @@ class GrainBatchIterator(Iterator[dict[str, np.ndarray]]):
 def eval_batches(
     shards: TokenShards,
     *,
-    seq_len: int,
-    packing: bool,
-    pad_id: int,
+    packer: Packer,
     global_batch_size: int,
     process_index: int,
     process_count: int,
     max_batches: int,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Every held-out document once, in file order (see the module doc)."""
-    docs = grain.MapDataset.source(shards.source()).map(_Decode(shards.dtype))
-    k = shards.documents_per_window(seq_len)
-    windows = docs.batch(k, batch_fn=list).map(_PackWindow(seq_len, packing, pad_id))
+    docs = grain.MapDataset.source(shards.source()).map(_Decode(shards.dtype, shards.kind))
+    k = shards.documents_per_window(packer.seq_len)
+    windows = docs.batch(k, batch_fn=list).map(packer)
     local = global_batch_size // process_count
     lo, hi = process_index * local, (process_index + 1) * local
     pending: list[dict[str, np.ndarray]] = []
@@ -362,7 +403,7 @@ def eval_batches(
         rows = {key: np.concatenate([p[key] for p in pending]) for key in pending[0]}
         fill = global_batch_size - rows["inputs"].shape[0]
         if fill:
-            pad = doc_packing.empty_rows(fill, seq_len, pad_id)
+            pad = doc_packing.empty_rows(fill, packer.seq_len, packer.pad_id, packer.keys)
             rows = {key: np.concatenate([rows[key], pad[key]]) for key in rows}
         return {key: v[lo:hi] for key, v in rows.items()}
 

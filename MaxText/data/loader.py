@@ -10,7 +10,9 @@
 `config` is read by attribute: dataset_type ("text" | "synthetic" | "tfds" | "grain"),
 dataset_path, dataset_name, train_split, eval_split, tokenizer_path, vocab_size,
 max_target_length, global_batch_size, data_shuffle_seed (the example order), eval_steps,
-eval_split_fraction, packing, grain_train_files, grain_eval_files, grain_worker_count,
+eval_split_fraction, packing, grain_train_files, grain_eval_files, grain_worker_count, use_sft,
+use_dpo, sft_train_on_completion_only, sft_truncation, chat_template (chat and preference shards:
+the kind must match use_sft / use_dpo, and the run's tokenizer and template the manifest's),
 base_output_directory, and optionally process_index / process_count (default 0 / 1). B is
 global_batch_size, L max_target_length, P process_count.
 
@@ -45,7 +47,6 @@ from MaxText.data.tokenizer import (
     IdTokenizer,
     Tokenizer,
     load_or_train_sentencepiece,
-    load_sentencepiece,
     load_tokenizer,
     with_special_tokens,
 )
@@ -130,6 +131,11 @@ class _Options:
     grain_train_files: str
     grain_eval_files: str
     grain_worker_count: int
+    use_sft: bool
+    use_dpo: bool
+    sft_train_on_completion_only: bool
+    sft_truncation: str
+    chat_template: str
 
 
 def _read_options(config: Any) -> _Options:
@@ -163,6 +169,12 @@ def _read_options(config: Any) -> _Options:
         grain_train_files=str(attr("grain_train_files") or ""),
         grain_eval_files=str(attr("grain_eval_files") or ""),
         grain_worker_count=int(attr("grain_worker_count")),
+        # Optional: post-training keys (configs made before them train on every token).
+        use_sft=bool(getattr(config, "use_sft", False)),
+        use_dpo=bool(getattr(config, "use_dpo", False)),
+        sft_train_on_completion_only=bool(getattr(config, "sft_train_on_completion_only", True)),
+        sft_truncation=str(getattr(config, "sft_truncation", "right")),
+        chat_template=str(getattr(config, "chat_template", "")),
     )
     if opts.dataset_type not in DATASET_TYPES:
         raise ValueError(
@@ -342,6 +354,43 @@ def _check_special_tokens(shards, opts: _Options) -> None:
             )
 
 
+def _check_kind(train_shards, eval_shards, opts: _Options) -> str:
+    """The shards' kind (text, chat, preference), which must match use_sft / use_dpo."""
+    kind = train_shards.kind
+    if eval_shards is not None and eval_shards.kind != kind:
+        raise DataError(
+            f"grain_eval_files holds {eval_shards.kind} data but grain_train_files {kind} data; "
+            "prepare both with the same --format"
+        )
+    wanted = "preference" if opts.use_dpo else "chat" if opts.use_sft else "text"
+    if kind != wanted:
+        key = {"chat": "use_sft=true", "preference": "use_dpo=true", "text": "neither key"}
+        raise DataError(
+            f"grain_train_files={opts.grain_train_files!r} holds {kind} data (prepare --format "
+            f"{kind}) but the config asks for {wanted} data; set {key[kind]}, or prepare the "
+            f"data with --format {wanted}"
+        )
+    return kind
+
+
+def _check_template(shards, tokenizer, opts: _Options) -> None:
+    """Chat shards were rendered with the run's template: with tokenizer_path set (a checkpoint's
+    tokenizer), the template of its folder (or the `chat_template` fallback) must be the one
+    recorded in the manifest; without it the shards' own template is the run's."""
+    from MaxText.data.chat_template import find_chat_template
+
+    if not opts.tokenizer_path and not opts.chat_template:
+        return
+    folder = pathlib.Path(opts.tokenizer_path or shards.tokenizer_path).expanduser().parent
+    template = find_chat_template(folder, opts.chat_template, tokenizer)
+    if template.sha256 != shards.manifest["chat_template_sha256"]:
+        raise DataError(
+            f"{shards.key}={shards.pattern!r} was prepared with another chat template "
+            f"({shards.manifest['chat_template_origin']}) than the run's ({template.origin}); "
+            "prepare the data again with this tokenizer and template"
+        )
+
+
 def _grain_data(opts: _Options) -> Data:
     from MaxText.data import grain_pipeline as gp
 
@@ -358,26 +407,41 @@ def _grain_data(opts: _Options) -> Data:
                 "grain_eval_files and grain_train_files were tokenized with different tokenizers; "
                 "prepare the eval files with --tokenizer_path <train folder>/tokenizer.model"
             )
-    tokenizer = load_sentencepiece(opts.tokenizer_path or str(train_shards.tokenizer_path))
+    kind = _check_kind(train_shards, eval_shards, opts)
+    tokenizer = load_tokenizer(
+        opts.tokenizer_path or str(train_shards.tokenizer_path),
+        opts.tokenizer_type if opts.tokenizer_path else train_shards.tokenizer_type,
+    )
     if tokenizer.model_hash != train_shards.manifest["tokenizer_sha256"]:
         raise DataError(
             f"tokenizer_path={opts.tokenizer_path!r} is not the tokenizer the shards were written "
-            f"with ({train_shards.tokenizer_path}); leave tokenizer_path empty"
+            f"with ({train_shards.tokenizer_path}); leave tokenizer_path empty, or prepare the "
+            "data again with --tokenizer_path set to it"
         )
+    if kind != "text":
+        _check_template(train_shards, tokenizer, opts)
     if tokenizer.vocab_size > opts.vocab_size:
         raise DataError(
             f"the shards' tokenizer has {tokenizer.vocab_size} pieces but "
             f"vocab_size={opts.vocab_size}; set vocab_size >= {tokenizer.vocab_size}"
         )
     for shards in (train_shards, eval_shards):
-        if shards is not None:
+        if shards is not None and kind == "text":  # chat: the template writes BOS/EOS
             _check_special_tokens(shards, opts)
     k = train_shards.documents_per_window(opts.seq_len)
-    windows = gp.train_windows(
-        train_shards,
+    if kind == "preference":  # whole pairs per window (rows 2k, 2k + 1)
+        k = max(1, k // 2)
+    packer = gp.Packer(
         seq_len=opts.seq_len,
         packing=opts.packing,
         pad_id=tokenizer.pad_id,
+        kind=kind,
+        truncation=opts.sft_truncation,
+        completion_only=opts.sft_train_on_completion_only,
+    )
+    windows = gp.train_windows(
+        train_shards,
+        packer=packer,
         seed=iterator_lib.derived_seed(opts.seed, "grain-train-order"),
         process_index=opts.process_index,
         process_count=opts.process_count,
@@ -396,17 +460,19 @@ def _grain_data(opts: _Options) -> Data:
             "seed": opts.seed,
             "process_count": opts.process_count,
             "documents_per_window": k,
+            **({"kind": kind, "chat_template": train_shards.manifest["chat_template_sha256"][:16],
+                "sft_truncation": opts.sft_truncation,
+                "sft_train_on_completion_only": opts.sft_train_on_completion_only}
+               if kind != "text" else {}),
         },
-    )
+    )  # fmt: skip
 
     def eval_factory() -> Iterator[iterator_lib.Batch]:
         if eval_shards is None:
             return iter(())
         return gp.eval_batches(
             eval_shards,
-            seq_len=opts.seq_len,
-            packing=opts.packing,
-            pad_id=tokenizer.pad_id,
+            packer=packer,
             global_batch_size=opts.global_batch_size,
             process_index=opts.process_index,
             process_count=opts.process_count,

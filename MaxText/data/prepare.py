@@ -3,6 +3,11 @@
     python -m MaxText.data.prepare --input DIR_OR_GLOB --out DIR
         [--tokenizer_path M | --vocab_size V] [--shard_size N] [--eval_fraction F]
         [--add_bos true|false] [--add_eos true|false]
+    python -m MaxText.data.prepare --format chat|preference ...   (chat_prepare.py)
+
+`--tokenizer_path` names a sentencepiece `.model`, a Hugging Face `tokenizer.json`, a folder
+holding one, or a checkpoint whose config names one (`tokenizer.tokenizer_file`); the file is
+copied into `--out` under its own name and the manifest records its type.
 
 Reads `.txt`, `.md` (markdown stripped as for dataset_type=text) and `.jsonl` (one document per
 line, field `text`) files: every such file under a folder (recursively), or the files a glob
@@ -34,8 +39,6 @@ is not UTF-8 text (a binary, another encoding) or a jsonl line without a string 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import glob
 import hashlib
 import json
 import os
@@ -48,102 +51,29 @@ import numpy as np
 from MaxText import exit_codes
 from MaxText.cluster.output_paths import writable_dir
 from MaxText.data import text as text_lib
-from MaxText.data.errors import DataError, DataNotFoundError
+from MaxText.data.errors import DataError
+from MaxText.data.shards import (  # noqa: F401  (MANIFEST, FORMAT: names other modules read here)
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SUFFIXES,
+    Shards,
+    input_files,
+    is_eval,
+    progress_bar,
+    utf8_text,
+)
 from MaxText.data.text import Document
 from MaxText.data.tokenizer import (
     SentencePieceTokenizer,
-    load_sentencepiece,
+    load_tokenizer,
+    tokenizer_file,
+    tokenizer_type_of,
     train_sentencepiece,
 )
 
-MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.model"
-FORMAT = "maxtext-jaxpp-token-shards"
-FORMAT_VERSION = 1
-SUFFIXES = (".txt", ".md", ".jsonl")
 _ENCODE_BATCH = 256
-
-
-@dataclasses.dataclass
-class _Shards:
-    """Writes one split's documents into numbered ArrayRecord shards."""
-
-    out: pathlib.Path
-    split: str
-    shard_size: int
-    dtype: np.dtype
-    shards: list[dict] = dataclasses.field(default_factory=list)
-    _writer: object = None
-    _tmp: pathlib.Path | None = None
-    _docs: int = 0
-    _tokens: int = 0
-
-    def add(self, tokens: np.ndarray) -> None:
-        from array_record.python.array_record_module import ArrayRecordWriter
-
-        if self._writer is None:
-            name = f"{self.split}-{len(self.shards):05d}.array_record"
-            self._tmp = self.out / f".{name}.tmp"
-            # group_size:1 -> every record is its own chunk: cheap random access by index
-            self._writer = ArrayRecordWriter(str(self._tmp), "group_size:1")
-            self.shards.append({"file": name, "documents": 0, "tokens": 0})
-        self._writer.write(
-            np.asarray(tokens, self.dtype).astype(self.dtype.newbyteorder("<")).tobytes()
-        )
-        self._docs += 1
-        self._tokens += int(tokens.size)
-        if self._docs == self.shard_size:
-            self.close()
-
-    def close(self) -> None:
-        if self._writer is None:
-            return
-        self._writer.close()
-        self.shards[-1].update(documents=self._docs, tokens=self._tokens)
-        os.replace(self._tmp, self.out / self.shards[-1]["file"])
-        self._writer, self._docs, self._tokens = None, 0, 0
-
-    def summary(self) -> dict:
-        return {
-            "documents": sum(s["documents"] for s in self.shards),
-            "tokens": sum(s["tokens"] for s in self.shards),
-            "shards": self.shards,
-        }
-
-
-def input_files(spec: str) -> list[pathlib.Path]:
-    """The `.txt`/`.md`/`.jsonl` files of a folder (recursively) or a glob, sorted."""
-    path = pathlib.Path(spec).expanduser()
-    if path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES]
-    elif path.is_file():
-        files = [path]
-    else:
-        files = [pathlib.Path(p) for p in glob.glob(str(path), recursive=True)]
-        files = [p for p in files if p.is_file() and p.suffix in SUFFIXES]
-    if not files:
-        raise DataNotFoundError(
-            f"--input {spec!r} matches no .txt, .md or .jsonl file; give a folder or a glob"
-        )
-    return sorted(files)
-
-
-def _text(raw: bytes, where: str) -> str:
-    """`raw` as UTF-8 text; DataError naming `where` for other bytes (a binary or another
-    encoding would otherwise be tokenized as replacement characters without a word)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert "
-            f"it to UTF-8 or leave it out of --input"
-        ) from None
-    nul = text.find("\0")
-    if nul >= 0:
-        raise DataError(
-            f"{where} looks like a binary file (NUL byte at offset {nul}); leave it out of --input"
-        )
-    return text
 
 
 def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Document]:
@@ -157,7 +87,7 @@ def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Doc
                         progress.update(len(line))
                     if not line.strip():
                         continue
-                    decoded = _text(line, f"{path}:{lineno}")
+                    decoded = utf8_text(line, f"{path}:{lineno}")
                     try:
                         text = json.loads(decoded)["text"]
                     except (ValueError, KeyError, TypeError):
@@ -170,28 +100,11 @@ def iter_documents(files: Sequence[pathlib.Path], progress=None) -> Iterator[Doc
         raw = path.read_bytes()
         if progress is not None:
             progress.update(len(raw))
-        text = _text(raw, str(path)).replace("\r\n", "\n")
+        text = utf8_text(raw, str(path)).replace("\r\n", "\n")
         if path.suffix == ".md":
             text = text_lib.strip_markdown(text)
         if text.strip():
             yield Document(name=str(path), text=text)
-
-
-def is_eval(doc: Document, eval_fraction: float) -> bool:
-    """Whether `doc` is held out: a hash of its name below `eval_fraction` (order-independent)."""
-    if eval_fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.sha256(doc.name.encode()).digest()[:8], "little")
-    return h / 2**64 < eval_fraction
-
-
-def _progress_bar(files: Sequence[pathlib.Path], desc: str, quiet: bool):
-    if quiet:
-        return None
-    from tqdm import tqdm
-
-    total = sum(p.stat().st_size for p in files)
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr)
 
 
 def prepare(
@@ -218,12 +131,17 @@ def prepare(
     if (out / MANIFEST).exists():
         raise DataError(f"--out {out_dir!r} already holds a prepared dataset; use a new folder")
 
-    if tokenizer_path:
-        tokenizer = load_sentencepiece(tokenizer_path)
-        proto = pathlib.Path(tokenizer_path).expanduser().read_bytes()
-        origin = f"file {tokenizer_path}"
+    tokenizer_name, tokenizer_type = TOKENIZER_FILE, "sentencepiece"
+    if tokenizer_path:  # a .model, a Hugging Face tokenizer.json, a folder or a checkpoint
+        source = tokenizer_file(tokenizer_path)
+        tokenizer_type = tokenizer_type_of(source)
+        tokenizer = load_tokenizer(str(source), tokenizer_type)
+        proto = source.read_bytes()
+        origin = f"file {source}"
+        if tokenizer_type == "huggingface":
+            tokenizer_name = source.name
     else:
-        bar = _progress_bar(files, "training tokenizer", quiet)
+        bar = progress_bar(files, "training tokenizer", quiet)
         failed: list[DataError] = []  # sentencepiece reads the documents in C++ and wraps errors
 
         def train_docs() -> Iterator[Document]:
@@ -243,13 +161,13 @@ def prepare(
             bar.close()
         tokenizer = SentencePieceTokenizer(proto)
         origin = f"trained, vocab_size={vocab_size}"
-    (out / TOKENIZER_FILE).write_bytes(proto)
+    (out / tokenizer_name).write_bytes(proto)
 
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
-    writers = {s: _Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
+    writers = {s: Shards(out, s, shard_size, dtype) for s in ("train", "eval")}
     bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id >= 0 else []
     eos = [tokenizer.eos_id] if add_eos and tokenizer.eos_id >= 0 else []
-    bar = _progress_bar(files, "tokenizing", quiet)
+    bar = progress_bar(files, "tokenizing", quiet)
     pending: list[Document] = []
 
     def flush() -> None:
@@ -274,7 +192,9 @@ def prepare(
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "dtype": dtype.name,
-        "tokenizer": TOKENIZER_FILE,
+        "kind": "text",
+        "tokenizer": tokenizer_name,
+        "tokenizer_type": tokenizer_type,
         "tokenizer_sha256": hashlib.sha256(proto).hexdigest(),
         "tokenizer_origin": origin,
         "vocab_size": tokenizer.vocab_size,
@@ -300,16 +220,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m MaxText.data.prepare",
         description=__doc__.split("\n\n")[0],
     )
+    parser.add_argument(
+        "--format",
+        choices=("text", "chat", "preference"),
+        default="text",
+        help="text documents, chat conversations (loss mask) or preference pairs",
+    )
     parser.add_argument("--input", required=True, help="folder or glob of .txt/.md/.jsonl files")
     parser.add_argument("--out", required=True, help="new folder for shards and manifest.json")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--tokenizer_path", default="", help="an existing sentencepiece .model")
+    group.add_argument(
+        "--tokenizer_path",
+        default="",
+        help="a tokenizer file (sentencepiece .model, tokenizer.json), a folder or a checkpoint",
+    )
     group.add_argument(
         "--vocab_size", type=int, default=1024, help="pieces of a trained tokenizer (1024)"
     )
     parser.add_argument("--shard_size", type=int, default=65536, help="documents per shard (65536)")
     parser.add_argument("--eval_fraction", type=float, default=0.0, help="documents held out (0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--chat_template",
+        default="",
+        help="chat/preference: the template if the tokenizer has none (chatml, llama3, mistral, "
+        "gemma or a .jinja file)",
+    )
+    parser.add_argument(
+        "--chat_date", default="", help="chat/preference: strftime_now's date (default today)"
+    )
     for key in ("add_bos", "add_eos"):
         parser.add_argument(
             f"--{key}",
@@ -333,16 +272,38 @@ def _run(args) -> int:
         if exit_codes.exit_code_of(e) is not None:
             raise
         raise DataError(str(e)) from None
+    unit = {"text": "documents", "chat": "examples", "preference": "pairs"}[args.format]
     for split, s in m["splits"].items():
         print(
-            f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
+            f"{split}: {s['documents']:,} {unit}, {s['tokens']:,} tokens in "
             f"{len(s['shards'])} shards -> {args.out}/{split}-*.array_record"
         )
+    if args.format != "text":
+        print(
+            f"{m['trained_tokens']:,} trained tokens; template {m['chat_template_origin']} "
+            f"(sha256 {m['chat_template_sha256'][:12]}), date {m['chat_date']}"
+            + (f"; {m['identical_pairs_skipped']} identical pairs skipped"
+               if args.format == "preference" else "")
+        )  # fmt: skip
     print(f"tokenizer: {m['vocab_size']} pieces ({m['tokenizer_origin']}); {args.out}/{MANIFEST}")
     return exit_codes.OK
 
 
 def _prepare(args) -> dict:
+    if args.format != "text":
+        from MaxText.data.chat_prepare import prepare_chat
+
+        return prepare_chat(
+            args.input,
+            args.out,
+            kind=args.format,
+            tokenizer_path=args.tokenizer_path,
+            chat_template=args.chat_template,
+            chat_date=args.chat_date,
+            shard_size=args.shard_size,
+            eval_fraction=args.eval_fraction,
+            quiet=args.quiet,
+        )
     return prepare(
         args.input,
         args.out,

@@ -99,6 +99,17 @@ class SentencePieceTokenizer:
         """Token ids of several texts (batched through sentencepiece's threads)."""
         return self._sp.encode(texts, num_threads=2)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` and each token's [start, end) character span in `text`."""
+        proto = self._sp.encode(text, out_type="immutable_proto")
+        char_of_byte = _char_of_byte(text)
+        ids = [int(p.id) for p in proto.pieces]
+        spans = [(char_of_byte[p.begin], char_of_byte[p.end]) for p in proto.pieces]
+        return ids, spans
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
+
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; control ids (pad/bos/eos) vanish, out-of-vocab ids (a model vocab
         padded beyond the tokenizer's) decode as the unknown piece."""
@@ -167,6 +178,15 @@ class HuggingFaceTokenizer:
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (special tokens written in it are theirs, as transformers'
+        apply_chat_template tokenizes) and each token's [start, end) character span."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [tuple(o) for o in enc.offsets]
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id)) or ""
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; special tokens vanish, ids beyond the vocabulary are dropped."""
@@ -321,3 +341,38 @@ def _chunks(text: str, limit: int) -> Iterator[str]:
         if text[start:end].strip():
             yield text[start:end]
         start = end
+
+
+def _char_of_byte(text: str) -> list[int]:
+    """For each UTF-8 byte offset of `text` (and its end), the character offset holding it."""
+    out: list[int] = []
+    for i, ch in enumerate(text):
+        out.extend([i] * len(ch.encode("utf-8")))
+    out.append(len(text))
+    return out
+
+
+def tokenizer_file(tokenizer_path: str) -> pathlib.Path:
+    """The tokenizer file `tokenizer_path` names: the file itself (`tokenizer.json` or a
+    sentencepiece `.model`), a folder holding one (a Hugging Face model, a converted checkpoint's
+    tokenizer folder), or a checkpoint whose saved config names one (`tokenizer_path`)."""
+    from MaxText.config.checkpoint_keys import saved_config
+
+    path = pathlib.Path(tokenizer_path).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (path / name).is_file():
+                return path / name
+        saved = saved_config(str(path)) or {}
+        if saved.get("tokenizer_path"):
+            return tokenizer_file(str(saved["tokenizer_path"]))
+    raise DataNotFoundError(
+        f"--tokenizer_path {tokenizer_path!r}: no tokenizer there; give a tokenizer.json, a "
+        "sentencepiece .model, a folder holding one, or a checkpoint whose config names one"
+    )
+
+
+def tokenizer_type_of(path: pathlib.Path) -> str:
+    return "huggingface" if path.suffix == ".json" else "sentencepiece"

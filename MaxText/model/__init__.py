@@ -6,7 +6,8 @@
   `attention=` picks), `mlp.py` (feed-forward blocks), `norms.py`, `rope.py`, `params.py`
   (dtypes, initialisers, logical axes);
 - families: `family.py` (what a family declares: model choices and its Hugging Face tables),
-  `registry.py` (`decoder_block` -> family), and one file each: `llama.py`, `gpt.py`.
+  `registry.py` (`decoder_block` -> family), and one file each: `llama.py`, `mistral.py`,
+  `qwen2.py`, `qwen3.py`, `gemma2.py`, `gpt.py`.
 """
 
 from MaxText.model.decoder import (  # noqa: F401  (the package's public names)

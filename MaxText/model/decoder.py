@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jaxpp_integration as jaxpp
 from MaxText.config import Config
 from MaxText.model import layers
+from MaxText.model.attention import soft_capped
 from MaxText.model.params import dtype_of, fan_in_init
 from MaxText.model.registry import family_of
 
@@ -65,6 +66,8 @@ class Decoder(nn.Module):
             embedding_VxE, ("activation_vocab", "activation_embed")
         )
         x_BxLxE = jnp.take(table_VxE, tokens_BxL, axis=0).astype(dtype)
+        if family.scale_embedding:  # Gemma: x sqrt(E), the factor rounded to the activation dtype
+            x_BxLxE = x_BxLxE * jnp.asarray(c.emb_dim**0.5, dtype)
         if not family.rope:  # a learned position table instead
             position_PxE = self.param(
                 "position_embedding",
@@ -76,11 +79,13 @@ class Decoder(nn.Module):
         x_BxLxE = _constrain(x_BxLxE)
 
         stage_ends = set(_stage_ends(c.stage_layers)) if c.num_stages > 1 else set()
+        windows = family.layer_windows(c)
         if c.scan_layers:
             for stage, (name, first, count) in enumerate(scanned_blocks(c)):
                 x_BxLxE = _constrain(
-                    self._scan(name, stage, count, x_BxLxE, positions_BxL, segment_ids_BxL)
-                )
+                    self._scan(name, stage, windows[first : first + count], x_BxLxE,
+                               positions_BxL, segment_ids_BxL)
+                )  # fmt: skip
                 if first + count - 1 in stage_ends:
                     x_BxLxE = jaxpp.pipeline_enter_stage(x_BxLxE)
         else:
@@ -88,7 +93,7 @@ class Decoder(nn.Module):
             new_cache = []
             for i in range(c.num_decoder_layers):
                 layer_cls = layers.layer_class(c, stage=stage)
-                layer = layer_cls(c, name=f"layers_{i}")
+                layer = layer_cls(c, window=windows[i], name=f"layers_{i}")
                 if cache is not None:
                     x_BxLxE, layer_cache = layer(x_BxLxE, positions_BxL, segment_ids_BxL, cache[i])
                     new_cache.append(layer_cache)
@@ -111,20 +116,26 @@ class Decoder(nn.Module):
         logits_BxLxV = jnp.einsum(
             "ble,ev->blv", x_BxLxE, head_ExV.astype(dtype), preferred_element_type=jnp.float32
         )
+        logits_BxLxV = soft_capped(logits_BxLxV, c.final_logits_soft_cap)  # Gemma 2
         return logits_BxLxV if cache is None else (logits_BxLxV, new_cache)
 
-    def _scan(self, name: str, stage: int, length: int, x_BxLxE, *per_token_args):
-        """`length` layers of `stage` as one `nn.scan` over weights stacked under `name` (leading
-        axis = layer). `per_token_args` (positions, segment ids) are broadcast to every layer."""
+    def _scan(self, name: str, stage: int, windows, x_BxLxE, *per_token_args):
+        """The layers of `stage` as one `nn.scan` over weights stacked under `name` (leading
+        axis = layer). `per_token_args` (positions, segment ids) are broadcast to every layer.
+        `windows` (one per layer): when the model's layers differ (Gemma 2's local and global
+        layers), a scanned int32 input of the one layer program; else the layers' attribute."""
+        per_layer = len(set(family_of(self.config).layer_windows(self.config))) > 1
         scanned = nn.scan(
             layers.layer_class(self.config, scanned=True, stage=stage),
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast,) * len(per_token_args),
-            length=length,
+            in_axes=(nn.broadcast,) * len(per_token_args) + ((0,) if per_layer else ()),
+            length=len(windows),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BxLxE, _ = scanned(self.config, name=name)(x_BxLxE, *per_token_args)
+        extra = (jnp.asarray(windows, jnp.int32),) if per_layer else ()
+        layer = scanned(self.config, window=0 if per_layer else windows[0], name=name)
+        x_BxLxE, _ = layer(x_BxLxE, *per_token_args, *extra)
         return x_BxLxE
 
 

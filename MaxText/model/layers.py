@@ -31,33 +31,53 @@ def norm_for(config: Config, name: str) -> nn.Module:
     )
 
 
+QKV = frozenset({"query", "key", "value"})
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.)).
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.)); with
+    `use_post_attn_norm` / `use_post_ffw_norm` (Gemma 2) the attention / MLP output is normed
+    again before its residual add. `window`: this layer's attention window (0: global), or the
+    `layer_window` argument (a scanned layer's per-layer input, traced).
     With a KV `cache` (decoding, see `Attention`) it returns (output, updated cache)."""
 
     config: Config
+    window: int = 0
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None):
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None, layer_window=None):
         c = self.config
         family = family_of(c)
-        attention = Attention(c, biases=family.fixed_biases, rope=family.rope,
-                              name="self_attention")  # fmt: skip
+        attention = Attention(
+            c,
+            biases=family.fixed_biases | (QKV if c.attention_bias else frozenset()),
+            rope=family.rope,
+            norm_scale_offset=family.norm_scale_offset,
+            windows=tuple(sorted(set(family.layer_windows(c)))),
+            name="self_attention",
+        )
+        window = self.window if layer_window is None else layer_window
         h = attention(norm_for(c, "pre_attention_norm")(x_BxLxE), positions_BxL,
-                      segment_ids_BxL, cache)  # fmt: skip
+                      segment_ids_BxL, cache, window)  # fmt: skip
         if cache is not None:
             h, cache = h
+        if c.use_post_attn_norm:
+            h = norm_for(c, "post_attention_norm")(h)
         x_BxLxE = x_BxLxE + h
         h = family.feed_forward(c, name="mlp")(norm_for(c, "pre_mlp_norm")(x_BxLxE))
+        if c.use_post_ffw_norm:
+            h = norm_for(c, "post_mlp_norm")(h)
         return x_BxLxE + h if cache is None else (x_BxLxE + h, cache)
 
 
 class ScannedDecoderLayer(DecoderLayer):
-    """`DecoderLayer` with the (carry, output) signature `nn.scan` expects."""
+    """`DecoderLayer` with the (carry, output) signature `nn.scan` expects; `layer_window` is
+    the scanned per-layer window when the model's layers differ."""
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None):
-        return super().__call__(x_BxLxE, positions_BxL, segment_ids_BxL), None
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, layer_window=None):
+        out = super().__call__(x_BxLxE, positions_BxL, segment_ids_BxL, None, layer_window)
+        return out, None
 
 
 REMAT_SAVED_NAMES = {

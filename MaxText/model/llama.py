@@ -7,7 +7,7 @@ Mistral's and Qwen's checkpoints use the same names."""
 
 from __future__ import annotations
 
-from MaxText.model.family import Family, HfFormat, TensorRow
+from MaxText.model.family import Family, HfFormat, TensorRow, plain_except
 
 _LAYER = "model.layers.{i}."
 # Our canonical path <-> Hugging Face name, and the layout change (MaxText/convert/layout.py).
@@ -37,6 +37,8 @@ FAMILY = Family(
         architecture="LlamaForCausalLM",
         model_type="llama",
         tensors=LLAMA_TENSORS,
+        fixed=plain_except(),
+        defaults={"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
         accepted={
             "attention_bias": ((False, None), "LlamaForCausalLM with projection biases (q, k, "
                                "v and o) is not a model here; Qwen 2's q/k/v biases are "
@@ -45,6 +47,6 @@ FAMILY = Family(
             "hidden_act": (("silu", None), "Llama's MLP is SwiGLU (silu)"),
             "sliding_window": ((None, 0), "Llama attends globally; a sliding window is Mistral"),
         },
-        write=lambda config: {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+        template={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
     ),
 )  # fmt: skip

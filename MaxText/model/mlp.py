@@ -32,18 +32,18 @@ def _dense_in(module: nn.Module, name: str, x_BxLxE, config: Config):
 
 
 class GatedMLP(nn.Module):
-    """(a0(x W0) * a1(x W1)) W2, the two activations a0, a1 of `activations` (SwiGLU: silu and
-    linear; Gemma's GeGLU: gelu and linear). Kernels `wi_0`, `wi_1` [E, M] and `wo` [M, E]."""
+    """(a0(x W0) * a1(x W1)) W2, the two activations a0, a1 of `mlp_activations` (SwiGLU: silu
+    and linear; Gemma's GeGLU: gelu and linear). Kernels `wi_0`, `wi_1` [E, M], `wo` [M, E]."""
 
     config: Config
-    activations: tuple[str, str] = ("silu", "linear")
+    input_kernels = 2  # [E, M] kernels before the activation (the planner's FLOPs count)
 
     @nn.compact
     def __call__(self, x_BxLxE):
         c = self.config
         dtype = dtype_of(c.dtype)
         x = x_BxLxE.astype(dtype)
-        first, second = (ACTIVATIONS[a] for a in self.activations)
+        first, second = (ACTIVATIONS[a] for a in c.mlp_activations)
         gate_BxLxM = checkpoint_name(_dense_in(self, "wi_0", x, c), "mlpwi")
         up_BxLxM = checkpoint_name(_dense_in(self, "wi_1", x, c), "mlpwi")
         hidden_BxLxM = first(gate_BxLxM) * second(up_BxLxM)
@@ -59,6 +59,7 @@ class BiasGeluMLP(nn.Module):
     """gpt: gelu(x W_in + b_in) W_out + b_out (tanh-approximated GELU)."""
 
     config: Config
+    input_kernels = 1
 
     @nn.compact
     def __call__(self, x_BxLxE):

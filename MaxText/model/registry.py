@@ -7,10 +7,13 @@ config's `decoder_block` choices (`MaxText/config/loader.py`) must name the same
 
 from __future__ import annotations
 
-from MaxText.model import gpt, llama
+from MaxText.model import gemma2, gpt, llama, mistral, qwen2, qwen3
 from MaxText.model.family import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gpt.FAMILY)
+}
 
 
 def family_of(config_or_name) -> Family:

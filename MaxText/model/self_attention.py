@@ -2,8 +2,12 @@
 one attention kernel (`MaxText/model/attention.py`), the output projection; and its KV cache.
 
 What varies between families is data given to the block (`Family`, `MaxText/model/family.py`):
-which projections carry a bias, whether RoPE applies. Shape suffixes: B batch, L length,
-E embed, H query heads, K kv heads, D head dim, T cache slots.
+which projections carry a bias, whether RoPE applies, the norm's `(1 + w)` offset, the layer's
+attention window (an int, or a traced int when scanned layers differ); and keys: `attention_bias`
+(q, k, v biases: Qwen 2), `use_qk_norm` (an RMSNorm over each head's D dimensions of q and of k,
+before RoPE: Qwen 3), `attn_logits_soft_cap` and `query_pre_attn_scalar` (Gemma 2), given to the
+kernel as `AttentionOptions`.
+Shape suffixes: B batch, L length, E embed, H query heads, K kv heads, D head dim, T cache slots.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config import Config
 from MaxText.model import attention
+from MaxText.model.norms import RMSNorm
 from MaxText.model.params import dtype_of, fan_in_init, param
 from MaxText.model.rope import apply_rope, rope_frequencies
 
@@ -34,10 +39,18 @@ class Attention(nn.Module):
     config: Config
     biases: frozenset[str] = frozenset()
     rope: bool = True
+    norm_scale_offset: float = 0.0  # of the q/k norms (Gemma's (1 + w))
+    windows: tuple[int, ...] = (0,)  # every window size of the model (see AttentionOptions)
 
     @nn.compact
-    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None):
+    def __call__(self, x_BxLxE, positions_BxL, segment_ids_BxL=None, cache=None, window=0):
         c = self.config
+        options = attention.AttentionOptions(
+            window=window,
+            soft_cap=c.attn_logits_soft_cap,
+            scale=c.query_pre_attn_scalar**-0.5 if c.query_pre_attn_scalar else None,
+            windows=self.windows,
+        )
         dtype = dtype_of(c.dtype)
         h, k = c.num_query_heads, c.num_kv_heads
         x = x_BxLxE.astype(dtype)
@@ -45,6 +58,9 @@ class Attention(nn.Module):
         q_BxLxHxD = self._project(x, "query", h, "heads")
         k_BxLxKxD = self._project(x, "key", k, "kv_heads")
         v_BxLxKxD = self._project(x, "value", k, "kv_heads")
+        if c.use_qk_norm:  # per head, over D (Qwen 3's q_norm / k_norm)
+            q_BxLxHxD = self._head_norm("query_norm")(q_BxLxHxD)
+            k_BxLxKxD = self._head_norm("key_norm")(k_BxLxKxD)
         if self.rope:
             inv_freq_F = rope_frequencies(c, c.head_dim)
             q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, inv_freq_F)
@@ -52,7 +68,7 @@ class Attention(nn.Module):
 
         if cache is None:
             kernel = attention.kernel_for(c.attention, c.attention_block_size)
-            ctx_BxLxHxD = kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
+            ctx_BxLxHxD = kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, options=options)
         else:
             start = (0, positions_BxL[0, 0], 0, 0)
             cache = {
@@ -60,11 +76,21 @@ class Attention(nn.Module):
                 "value": jax.lax.dynamic_update_slice(cache["value"], v_BxLxKxD, start),
             }
             ctx_BxLxHxD = attention.cached_dot_product(
-                q_BxLxHxD, cache["key"], cache["value"], positions_BxL
+                q_BxLxHxD, cache["key"], cache["value"], positions_BxL, options
             )
         ctx_BxLxHxD = checkpoint_name(ctx_BxLxHxD, "context")
         out_BxLxE = self._out(ctx_BxLxHxD)
         return out_BxLxE if cache is None else (out_BxLxE, cache)
+
+    def _head_norm(self, name: str) -> RMSNorm:
+        c = self.config
+        return RMSNorm(
+            epsilon=c.normalization_layer_epsilon,
+            dtype=dtype_of(c.dtype),
+            weight_dtype=dtype_of(c.weight_dtype),
+            scale_offset=self.norm_scale_offset,
+            name=name,
+        )
 
     def _project(self, x_BxLxE, name: str, heads: int, heads_axis: str):
         """`x @ {name}_kernel [E, heads, D]` (+ `{name}_bias [heads, D]` if it has one)."""

@@ -199,7 +199,7 @@ def plan_pipelined(config, hardware: Hardware) -> Plan:
     )
     t0 = time.perf_counter()
     with sharding.axis_rules():  # as the trainer compiles it
-        compiled = fn.compile(abstract_state, ts.batch_shapes(config))
+        compiled = fn.compile(*ts.step_inputs(config, abstract_state))  # DPO: + reference
     log.info("plan: step compiled on abstract inputs in %.1f s", time.perf_counter() - t0)
     return plan_compiled(config, hardware, compiled, abstract_state)
 

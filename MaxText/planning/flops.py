@@ -3,13 +3,15 @@
 With T = tokens per step (global batch x max_target_length), S = max_target_length,
 E = emb_dim, M = mlp_dim, H / K = query / kv heads, D = head_dim, N = decoder layers, V = vocab:
 
-    ffn       = 2·T·E·M·n_in + 2·T·M·E      (n_in = 2 matrices for SwiGLU (llama), 1 for gpt)
+    ffn       = 2·T·E·M·n_in + 2·T·M·E      (n_in: the family's input kernels, 2 gated, 1 gpt)
     qkv       = 2·T·E·(H + 2K)·D
     out_proj  = 2·T·H·D·E
     unembed   = 2·T·E·V
-    attention = (4·T·S·H·D) / 2             (QK^T and PV; halved because attention is causal)
+    attention = 4·T·H·D·P / S               (QK^T and PV over the P (query, key) pairs of a row)
+    P = S²/2 for a global layer (causal: half the square), S·W − W²/2 for a layer with a sliding
+        window of W < S keys (the first W queries see a growing triangle, the rest W keys each)
 
-    training FLOPs per step = 3 · [(ffn + qkv + out_proj)·N + unembed] + 3 · attention·N
+    training FLOPs per step = 3 · [(ffn + qkv + out_proj)·N + unembed] + 3 · Σ_layers attention
 
 The 3 is forward + backward (twice the forward). Rematerialisation is not counted (these are
 *model* FLOPs, so MFU does not reward recomputation), nor the pipeline bubble, the embedding
@@ -27,9 +29,18 @@ import dataclasses
 
 from jaxpp_integration.tools.report import matmul_flops
 from MaxText.config import Config
+from MaxText.model import family_of
 from MaxText.planning.hardware import Peak, peak_tflops
 
-__all__ = ["Peak", "StepFlops", "matmul_flops", "mfu", "peak_tflops", "training_flops_per_step"]
+__all__ = [
+    "Peak",
+    "StepFlops",
+    "attended_pairs",
+    "matmul_flops",
+    "mfu",
+    "peak_tflops",
+    "training_flops_per_step",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +60,24 @@ def training_flops_per_step(config: Config) -> StepFlops:
     s = config.max_target_length
     e, m, v = config.emb_dim, config.mlp_dim, config.vocab_size
     h, k, d = config.num_query_heads, config.num_kv_heads, config.head_dim
-    n_in = 2 if config.decoder_block == "llama" else 1
+    n_in = family_of(config).feed_forward.input_kernels
     ffn = 2 * t * e * m * n_in + 2 * t * m * e
     qkv = 2 * t * e * (h + 2 * k) * d
     out_proj = 2 * t * h * d * e
     unembed = 2 * t * e * v
-    attention = 4 * t * s * h * d / 2
+    pairs = sum(attended_pairs(s, w) for w in family_of(config).layer_windows(config))
     n = config.num_decoder_layers
     return StepFlops(
-        weights=3 * ((ffn + qkv + out_proj) * n + unembed), attention=3 * attention * n
+        weights=3 * ((ffn + qkv + out_proj) * n + unembed), attention=3 * 4 * t * h * d * pairs / s
     )
+
+
+def attended_pairs(length: int, window: int) -> float:
+    """(query, key) pairs of one causal row of `length` tokens (MaxText's S²/2 approximation);
+    with a window of W < length keys, S·W − W²/2."""
+    if window <= 0 or window >= length:
+        return length * length / 2
+    return length * window - window * window / 2
 
 
 def mfu(achieved_tflops_per_device: float, peak: Peak) -> float:

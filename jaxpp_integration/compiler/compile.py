@@ -318,7 +318,7 @@ class _Compiler:
         if waiting:
             return fut.result()
         try:
-            exe = self._load_from(sources, key, rank)
+            exe = self._load_from(sources, key, rank, name)
             if exe is None:  # the first group to run it, or JAX cannot move it here
                 exe = self.compile_one(name, lowering)
                 if sources:
@@ -330,19 +330,24 @@ class _Compiler:
         fut.set_result(exe)
         return exe
 
-    def _load_from(self, sources, key, rank):
-        """`key`'s executable loaded onto group `rank` from a compile made for another group
-        (the first that moves), or None."""
-        for src_rank, src_fut in sources:
-            source, serialized = self.movable_source(key, src_fut.result())
-            exe = load_compiled_on(
-                source, self.mesh.devices_of(src_rank), self.mesh.devices_of(rank), serialized
-            )
-            if exe is not None:
-                with self.lock:
-                    self.stats.loads += 1
-                return exe
-        return None
+    def _load_from(self, sources, key, rank, name):
+        """`key`'s executable loaded onto group `rank` from the first compile made for another
+        group, or None (JAX cannot move it, or moving it failed: the others would fail alike)."""
+        if not sources:
+            return None
+        src_rank, src_fut = sources[0]
+        source, serialized = self.movable_source(key, src_fut.result())
+        exe = load_compiled_on(
+            source,
+            self.mesh.devices_of(src_rank),
+            self.mesh.devices_of(rank),
+            serialized,
+            name=f"{name} (group {src_rank}'s compile)",
+        )
+        if exe is not None:
+            with self.lock:
+                self.stats.loads += 1
+        return exe
 
     # --------------------------------------------------------------------------- one task
 

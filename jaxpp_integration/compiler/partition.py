@@ -66,7 +66,7 @@ def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -
                 "not supported inside a pipelined loop body; move it outside treduce"
             )
     fwd_markers = [e for e in jaxpr.eqns if is_marker(e) and e.params["phase"] == "fwd"]
-    k = len(fwd_markers)
+    k = 1 + max((e.params["stage_id"] for e in fwd_markers), default=-1)  # stages marked
     if k > num_stages:
         raise ValueError(
             f"the loop body has {k} stage markers but the schedule expects {num_stages} stages; "
@@ -91,18 +91,25 @@ def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -
         clusters[(s, Phase.FWD)] = []
         clusters[(s, Phase.BWD)] = []
     current = (0, Phase.FWD)
+    segment: list = []  # the forward equations since the last forward marker
     for eqn in jaxpr.eqns:
         if is_marker(eqn):
+            sid = eqn.params["stage_id"]
+            if eqn.params["phase"] == "fwd":
+                _close_segment(clusters, segment, current[0], sid, [resolve(v) for v in eqn.invars])
+            else:
+                clusters[current] += segment
+            segment = []
             for o, i in zip(eqn.outvars, eqn.invars):
                 alias[o] = resolve(i)
-            sid = eqn.params["stage_id"]
             if eqn.params["phase"] == "fwd":
                 current = (min(sid + 1, num_stages - 1), Phase.FWD)
             else:
                 current = (sid, Phase.BWD)
             continue
         new_invars = [resolve(v) for v in eqn.invars]
-        clusters[current].append(eqn.replace(invars=new_invars))
+        segment.append(eqn.replace(invars=new_invars))
+    clusters[current] += segment
 
     outvars = [resolve(v) for v in jaxpr.outvars]
     producer: dict = {}
@@ -151,6 +158,25 @@ def partition_body(body, n_consts: int, num_stages: int, split_backward: bool) -
         owned = [outvars[j] for j in task.owned_outputs]
         task.pieces = cut_task(task.eqns, task.outvars, owned, phase, layer_values)
     return PartitionedBody(tasks, const_vars, mb_vars, outvars, owner)
+
+
+def _close_segment(clusters, segment: list, current: int, stage: int, marked: list) -> None:
+    """Places the equations before a forward marker that ends stage `stage`. In one forward pass
+    the marker ends the stage the equations are in (`stage == current`). A marker that ends an
+    earlier stage starts another pass through the stages (`forward_pass`: a frozen reference
+    model's forward before the trained model's): then the equations the marked values depend on
+    are that pass's stage `stage`, and the rest finish stage `current` of the pass before."""
+    if stage >= current:
+        clusters[(current, Phase.FWD)] += segment
+        return
+    needed = {v for v in marked if isinstance(v, Var)}
+    mine = [False] * len(segment)
+    for j in range(len(segment) - 1, -1, -1):
+        if any(o in needed for o in segment[j].outvars):
+            mine[j] = True
+            needed.update(v for v in segment[j].invars if isinstance(v, Var))
+    clusters[(stage, Phase.FWD)] += [e for e, m in zip(segment, mine, strict=True) if m]
+    clusters[(current, Phase.FWD)] += [e for e, m in zip(segment, mine, strict=True) if not m]
 
 
 def _recompute_constants(clusters) -> None:

@@ -5,7 +5,7 @@ instructions over numbered value slots, each slot living on one rank.
 
 - `Run`: run one task (`before_loop_r`, `fwd_s`/`bwd_s` for a microbatch, `after_loop_r_k`);
 - `Transfer`: copy a slot to another rank (inserted right after the producer, so it overlaps);
-- `Fill`: a fresh accumulator from a host value (a rank with no other work before the loop);
+- `Fill`: a fresh accumulator made on the device (a rank with no other work before the loop);
 - `Delete`: free a slot after its last use (`lifetimes.add_deletes`, the next pass).
 
 Loop task instances are ordered by a list-scheduling replay of `schedule.tasks(n)` with costs
@@ -72,12 +72,16 @@ class Transfer:
 
 @dataclasses.dataclass(frozen=True)
 class Fill:
-    """A fresh buffer holding `value` on the slot's rank (an accumulator's initial value when a
-    rank has no other work before the loop: a host copy, no compile)."""
+    """A fresh buffer of `shape` and `dtype` holding `value` everywhere, on the slot's rank: an
+    accumulator's initial value when a rank has no other work before the loop. Made on the
+    device by a compiled program (one per run of consecutive fills, `runtime/fills.py`), never
+    from a host array."""
 
     slot: int
     rank: int
-    value: object
+    shape: tuple
+    dtype: np.dtype
+    value: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +224,8 @@ class _Builder:
         only after-loop tasks need is recomputed inside them, so the optimizer compiles as one
         piece, as it does under plain jax.jit; so is a free step output (an optimizer's step
         count) on a rank that has after-loop work. A rank left with no free work gets its
-        accumulators as host-made fills: no before-loop program to compile."""
+        accumulators as fills: made on the device by a small program (`runtime/fills.py`), no
+        before-loop task to compile."""
         body_out_avals = self.body_out_avals
         self.after_ranks = {
             r for e in self.placement.after for r in self.placement.eqn_ranks.get(id(e), ())
@@ -238,9 +243,11 @@ class _Builder:
             if not eqns:
                 for j in accs:
                     self.acc_slot[j] = self.new(r, self.acc_aval(j), "acc")
-                    # a fresh host array, not a view of a device array (a Fill could alias it)
-                    init = self.ops[j].host_init(self.n_mb, body_out_avals[j])
-                    self.instrs.append(Fill(self.acc_slot[j], r, init))
+                    out = self.ops[j].out_aval(self.n_mb, body_out_avals[j])
+                    fill = self.ops[j].fill_value(out)
+                    self.instrs.append(
+                        Fill(self.acc_slot[j], r, tuple(out.shape), np.dtype(out.dtype), fill)
+                    )
                     if self.acc_spec(j) is not None:
                         self.slot_spec[self.acc_slot[j]] = self.acc_spec(j)
                 continue

@@ -64,6 +64,23 @@ def markers_inactive():
         _ACTIVE_COUNTER.reset(token)
 
 
+@contextlib.contextmanager
+def forward_pass():
+    """Markers inside the block number the stages from 0 again, and after it the numbering goes
+    on where it was: a second forward pass through the same stages in one loop body (a frozen
+    reference model's, forward only, before the trained model's pass). The partitioner puts
+    each pass's stage-s work into `fwd_s`. A no-op outside a pipelined `treduce`."""
+    counter = _ACTIVE_COUNTER.get()
+    if counter is None:
+        yield
+        return
+    saved, counter.next_stage = counter.next_stage, 0
+    try:
+        yield
+    finally:
+        counter.next_stage = saved
+
+
 def pipeline_enter_stage(x, name: str | None = None):
     """Closes the current pipeline stage at `x` (identity on any pytree)."""
     counter = _ACTIVE_COUNTER.get()

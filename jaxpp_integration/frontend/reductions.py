@@ -17,11 +17,10 @@ class Add:
     def init(self, n: int, aval) -> jax.Array:
         return jnp.zeros(aval.shape, aval.dtype)
 
-    def host_init(self, n: int, aval) -> np.ndarray:
-        """`init` computed on the host (no XLA compile): a read-only view of one zero, so
-        building the program allocates nothing (an accumulator can be as large as the
-        unsharded gradient of a stage); each device's shard is made when it is placed."""
-        return _filled(aval.shape, aval.dtype, 0)
+    def fill_value(self, aval):
+        """The one value `init` fills its array with (the engine makes such arrays on the
+        device: `runtime/fills.py`)."""
+        return np.zeros((), aval.dtype)[()]
 
     def out_aval(self, n: int, aval):
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
@@ -45,9 +44,8 @@ class Concat:
         out = self.out_aval(n, aval)
         return jnp.zeros(out.shape, out.dtype)
 
-    def host_init(self, n: int, aval) -> np.ndarray:
-        out = self.out_aval(n, aval)
-        return _filled(out.shape, out.dtype, 0)
+    def fill_value(self, aval):
+        return np.zeros((), aval.dtype)[()]
 
     def update(self, acc, value, index):
         return lax.dynamic_update_index_in_dim(acc, jnp.asarray(value, acc.dtype), index, self.axis)
@@ -68,16 +66,11 @@ class Max:
     def init(self, n: int, aval) -> jax.Array:
         return jnp.full(aval.shape, self._fill(aval), aval.dtype)
 
-    def host_init(self, n: int, aval) -> np.ndarray:
-        return _filled(aval.shape, aval.dtype, self._fill(aval))
+    def fill_value(self, aval):
+        return np.asarray(self._fill(aval), aval.dtype)[()]
 
     def update(self, acc, value, index):
         return jnp.maximum(acc, value)
-
-
-def _filled(shape, dtype, value) -> np.ndarray:
-    """`shape` filled with `value`, as a read-only broadcast of one element (no memory)."""
-    return np.broadcast_to(np.asarray(value, dtype), tuple(shape))
 
 
 def _as_instance(op):

@@ -5,7 +5,7 @@ groups run concurrently (a task waits only on its inputs). Transfers copy each s
 target group's matching device (runs of consecutive transfers in one runtime call,
 `jax_compat.shard_copier`; `jax.device_put` when the layouts differ); transfers to another
 process go by batches, one collective program each (`transfer.py`); runs of consecutive fills
-are one `jax.device_put`.
+are one compiled program each, making the accumulators on the device (`fills.py`).
 
 Everything constant per compiled program is worked out once (`prepare` -> `Walk`): the
 executable, input and output slots of every task, the transfer batches, and the releases. A
@@ -35,6 +35,7 @@ import jax
 
 from jaxpp_integration.compiler.program import Delete, Fill, Program, Run, Transfer
 from jaxpp_integration.jax_compat import same_shard_layout, shard_copier
+from jaxpp_integration.runtime.fills import FillPrograms
 from jaxpp_integration.runtime.transfer import plan_cross_process
 from jaxpp_integration.tools import memory
 
@@ -95,14 +96,15 @@ def prepare(
     prog: Program, executables, slot_sharding, local_ranks, mpmd_axis=None, owners=None
 ) -> Walk:
     """Puts the program's constants on this process's groups once and turns its instructions
-    into the ops `execute` walks (see the module docstring). Several processes (`owners[r]`:
-    the process of group r): plans the batches of cross-process transfers
-    (`transfer.plan_cross_process`), which compiles their programs and allocates their receive
-    buffers; a batch runs at its first transfer."""
+    into the ops `execute` walks (see the module docstring), compiling the fill programs
+    (`fills.py`). Several processes (`owners[r]`: the process of group r): plans the batches of
+    cross-process transfers (`transfer.plan_cross_process`), which compiles their programs and
+    allocates their receive buffers; a batch runs at its first transfer."""
     local = frozenset(local_ranks)
     cross = {}
     if owners is not None and len(set(owners)) > 1:
         cross = plan_cross_process(prog, slot_sharding, owners, local, mpmd_axis)
+    fills = FillPrograms()
     input_slots = {s for slots in prog.inputs for r, s in slots.items() if r in local}
     caller_donated = input_slots  # an input the program deletes was donated by the caller
     ops: list = []
@@ -144,20 +146,16 @@ def prepare(
             if (src_here or dst_here) and idx in cross:  # the later ones go with the first
                 op = Op(_CROSS, idx, cross[idx])
         elif isinstance(ins, Fill):
-            if ins.rank in local:  # a run of consecutive local fills: one call
+            if ins.rank in local:  # a run of consecutive fills on one group: one call
                 batch = [ins]
                 while (
                     idx + len(batch) < len(instrs)
                     and isinstance(instrs[idx + len(batch)], Fill)
-                    and instrs[idx + len(batch)].rank in local
+                    and instrs[idx + len(batch)].rank == ins.rank
                 ):
                     batch.append(instrs[idx + len(batch)])
-                args = (
-                    tuple(f.slot for f in batch),
-                    [f.value for f in batch],
-                    [slot_sharding[f.slot] for f in batch],
-                )
-                op = Op(_FILL, idx, args)
+                program = fills.program(batch, [slot_sharding[f.slot] for f in batch])
+                op = Op(_FILL, idx, (tuple(f.slot for f in batch), program))
                 ops.append(op)
                 current = op
                 idx += len(batch)
@@ -260,11 +258,9 @@ def execute(walk: Walk, inputs: dict, *, record_times=False, watchdog=None, prob
             del issued
             for p in probes:
                 p.made([t.dst for t in transfers], regs)
-        elif kind == _FILL:
-            slots, values, shardings = op.args
-            # fresh buffers (on CPU one could alias host memory the program keeps, which the
-            # first accumulation then could not donate)
-            for s, v in zip(slots, jax.device_put(values, shardings, may_alias=False)):
+        elif kind == _FILL:  # fresh accumulators, made on the device
+            slots, program = op.args
+            for s, v in zip(slots, program()):
                 regs[s] = v
             for p in probes:
                 p.made(slots, regs)

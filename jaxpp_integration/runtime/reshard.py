@@ -12,8 +12,13 @@ one, spread over every group, without gathering the value anywhere:
   group (replicated over the pipeline axis).
 
 The copy is one compiled program per source group over the full mesh: the source group's block is
-row `g` of a `(G, ...)` array (the other groups contribute zeros), and a `ppermute` per target group
-moves its piece (XLA collectives: gloo on CPU, NCCL on GPU; a device copy within one process).
+row `g` of a `(G, ...)` array, and a `ppermute` per target group moves its piece (XLA collectives:
+gloo on CPU, NCCL on GPU; a device copy within one process). The other groups' rows are never
+read, but an SPMD program needs a block on every device: they are zeros made on those devices
+by a compiled program (`dummy_rows`, once per source group and layouts), never host arrays
+placed with `device_put` (which copied (G-1)/G of the state from host to device per save).
+They still take device memory while the copy runs, as much per device as the source group's
+block of the values in flight.
 Moving pieces selects values and never adds them, so the result is bitwise the source.
 Every process must call it on the same tree in the same order (it is a collective).
 """
@@ -106,13 +111,6 @@ def _input_specs(layouts, axis):
     return specs
 
 
-def _stacked(x: MpmdArray, source: int, spec: PartitionSpec) -> jax.Array:
-    """`x` as row `source` of a (G, *shape) global array; other local groups hold zeros."""
-    mesh = x.mpmd_mesh
-    sharding = NamedSharding(mesh.jax_mesh, PartitionSpec(mesh.mpmd_axis_name, *spec))
-    return stack_rows((mesh.mpmd_dim, *x.shape), sharding, x.arrays.get(source), x.dtype)
-
-
 def mpmd_to_spmd_reshard(tree):
     """`tree` with every `MpmdArray` leaf replaced by a global `jax.Array` on the full mesh, laid
     out by `spread_spec` and copied from the first group holding it. Other leaves pass through."""
@@ -125,24 +123,64 @@ def mpmd_to_spmd_reshard(tree):
     for (mesh, source), idx in by_source.items():
         layouts = tuple(spread_spec(mesh, leaves[i].shape, leaves[i].spec) for i in idx)
         program = _program(mesh, source, layouts)
-        specs = _input_specs(layouts, mesh.mpmd_axis_name)
-        stacked = [_stacked(leaves[i], source, PartitionSpec(*s)) for i, s in zip(idx, specs)]
+        specs = tuple(PartitionSpec(*s) for s in _input_specs(layouts, mesh.mpmd_axis_name))
+        entries = tuple((leaves[i].shape, np.dtype(leaves[i].dtype), s) for i, s in zip(idx, specs))
+        dummies = dummy_rows(mesh, source, entries)
+        stacked = [
+            stack_rows(mesh, leaves[i].shape, leaves[i].arrays.get(source), spec, rows)
+            for i, spec, rows in zip(idx, specs, dummies)
+        ]
+        del dummies
         for i, y in zip(idx, program(*stacked)):
             out[i] = y
     return jax.tree.unflatten(treedef, out)
 
 
-def stack_rows(shape, sharding: NamedSharding, value, dtype) -> jax.Array:
-    """A global `shape` = (rows, *value.shape) array over `sharding` (rows split over the
-    pipeline axis), built from this process's devices only: on devices where `value` (a
-    `jax.Array` or None) has a shard, that shard as a row; zeros on the others. (Host zeros: a
-    checkpoint-time path, unlike the step's transfers in `transfer.py`.)"""
-    local = {s.device: s.data for s in value.addressable_shards} if value is not None else {}
-    shards = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        if device in local:
-            shards.append(local[device][None])
-        else:
-            block = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
-            shards.append(jax.device_put(np.zeros(block, dtype), device))
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+def _local_others(mesh: MpmdMesh, source: int) -> tuple[int, ...]:
+    """The groups other than `source` whose devices are this process's."""
+    me = jax.process_index()
+    return tuple(
+        g
+        for g in range(mesh.mpmd_dim)
+        if g != source and all(d.process_index == me for d in mesh.devices_of(g))
+    )
+
+
+@functools.cache
+def _dummy_program(mesh: MpmdMesh, groups: tuple, entries: tuple):
+    """Compiled program making, on the devices of `groups` (this process's), the zero rows of
+    every entry (shape, dtype, spec within a group): one (len(groups), *shape) array per entry
+    split over the groups, so each device gets exactly its block of one row."""
+    sub = mesh.submesh(groups)
+    axis = mesh.mpmd_axis_name
+    shardings = tuple(NamedSharding(sub, PartitionSpec(axis, *spec)) for _, _, spec in entries)
+
+    def rows():
+        return tuple(jnp.zeros((len(groups), *shape), dtype) for shape, dtype, _ in entries)
+
+    return jax.jit(rows, out_shardings=shardings).lower().compile()
+
+
+def dummy_rows(mesh: MpmdMesh, source: int, entries: tuple) -> list[dict]:
+    """Per entry, {device: zero block} on this process's devices of the groups other than
+    `source`: the rows of the (G, ...) input the copy program never reads, made on the devices
+    (one compiled program per source and layouts, kept), never placed from the host."""
+    groups = _local_others(mesh, source)
+    if not groups:
+        return [{} for _ in entries]
+    made = _dummy_program(mesh, groups, entries)()
+    return [{s.device: s.data for s in a.addressable_shards} for a in made]
+
+
+def stack_rows(mesh: MpmdMesh, shape, value, spec: PartitionSpec, rows: dict) -> jax.Array:
+    """The global (G, *shape) input of the copy program over the full mesh, from this process's
+    devices only: on devices where `value` (the source group's `jax.Array`, or None on a process
+    without it) has a shard, that shard as a row; on the others, the block `rows` holds for
+    them (`dummy_rows`)."""
+    local = {} if value is None else {s.device: s.data[None] for s in value.addressable_shards}
+    sharding = NamedSharding(mesh.jax_mesh, PartitionSpec(mesh.mpmd_axis_name, *spec))
+    full = (mesh.mpmd_dim, *shape)
+    shards = [
+        local[d] if d in local else rows[d] for d in sharding.addressable_devices_indices_map(full)
+    ]
+    return jax.make_array_from_single_device_arrays(full, sharding, shards)

@@ -26,15 +26,23 @@ Design (what one transfer costs):
   compiled program, once per leaf signature when the step is compiled, and reused by every
   step (read-only: never donated). No host array is placed on a device on this path.
 
+- **One device order per stage boundary.** The pair's mesh lists the two groups in one order
+  whichever way a value goes (`_pair_order`), so both directions of a boundary (activations
+  forward, cotangents back) run over one device list: one NCCL communicator per pair, not two.
+
 Launches per batch and step: sender 1 (+1 pack if the batch holds scalars), receiver 1 (+1
 unpack); none at all for buffers. Memory: the receiver keeps one zeros buffer per distinct
-(shape, dtype, layout) it receives; the sender's program also outputs a payload-sized block of
-zeros on its own devices, freed as soon as the step drops it.
+(shape, dtype, layout) it receives. The sender keeps nothing payload-sized: an SPMD program has
+an output block on every device, so its half of the moved values (zeros) exists while the
+program runs, but the sender drops it at dispatch and waits (watchdog) on a 4-byte flag.
 
-JAX's own cross-host `device_put` (`supports_cross_host_transfers`) is not used: XLA:CPU does not
-advertise it, and its socket-based fallback (`jax_cross_host_transfer_socket_address`) hung in a
-2-process CPU trial, so it cannot be tested here; the collective path above works on every
-backend with collectives.
+What this design costs, and what would not: every transfer is a collective both groups run on
+their compute streams, so a send waits for the receiver to reach it and holds the sender's
+stream meanwhile (`schedules/simulate.py`, `transfers="blocking"`;
+`benchmarks/transfer_bubble.py` shows the bubble per schedule at 8 stages across nodes). The
+alternatives and why they are not used yet are in docs/cluster.md ("Stage transfers across
+processes").
+
 
 `SpecExchange` carries the output layouts of programs compiled on one process to the others
 (through `jax.distributed`'s key-value store), so that each process compiles only its own
@@ -158,7 +166,9 @@ class CrossBatch:
         src_mesh, dst_mesh = first.src.mesh, first.dst.mesh
         entries = [(lk.shape, lk.dtype, lk.src.spec) for lk in (links[i] for i in self.arrays)]
         entries += [((len(group),), dt, PartitionSpec()) for group, dt in zip(self.scalars, dtypes)]
-        self.pair, self.pair_shardings = _pair_program(src_mesh, dst_mesh, axis, tuple(entries))
+        self.pair, self.pair_shardings = _pair_program(
+            *_pair_order(src_mesh, dst_mesh), axis, tuple(entries), _first_sends(src_mesh, dst_mesh)
+        )
         here_mesh = src_mesh if sending else dst_mesh
         vectors = [NamedSharding(here_mesh, PartitionSpec()) for _ in dtypes]
         self.pack = self.unpack = None
@@ -196,9 +206,9 @@ class CrossBatch:
             )
             for h, sh in zip(halves, self.pair_shardings)
         ]
-        moved = self.pair(*stacked)
-        if self.sending:
-            return None, moved
+        *moved, done = self.pair(*stacked)
+        if self.sending:  # its half of `moved` is zeros: dropped now, freed when the program ends
+            return None, done
         got = [
             _local_half(m, self.links[i].dst, self.links[i].shape)
             for i, m in zip(self.arrays, moved)
@@ -229,19 +239,41 @@ def _pair_spec(axis: str, spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec((axis, *head), *spec[1:])
 
 
+def _pair_order(a: Mesh, b: Mesh) -> tuple[Mesh, Mesh]:
+    """The two groups' meshes in one order whichever way a value goes (the group whose first
+    device has the lower id first): both directions of a stage boundary then run over one
+    device list, so NCCL uses one communicator for the pair instead of one per direction."""
+    return (a, b) if _first_id(a) < _first_id(b) else (b, a)
+
+
+def _first_sends(src: Mesh, dst: Mesh) -> bool:
+    """Whether the sending group comes first in `_pair_order`."""
+    return _first_id(src) < _first_id(dst)
+
+
+def _first_id(mesh: Mesh) -> int:
+    return min(d.id for d in mesh.devices.flat)
+
+
 @functools.cache
-def _pair_program(src_mesh: Mesh, dst_mesh: Mesh, axis: str, entries: tuple):
+def _pair_program(first: Mesh, second: Mesh, axis: str, entries: tuple, first_sends: bool):
     """(compiled program, per-input sharding) moving every entry (shape, dtype, spec within a
-    group) from `src_mesh`'s group to `dst_mesh`'s with one `ppermute` each."""
-    axis_index = src_mesh.axis_names.index(axis)
-    devices = np.concatenate([src_mesh.devices, dst_mesh.devices], axis=axis_index)
-    mesh = Mesh(devices, src_mesh.axis_names, axis_types=src_mesh.axis_types)
+    group) between the groups of `first` and `second` (in that order on the pair's mesh) with
+    one `ppermute` each: from `first` to `second` when `first_sends`, else back. Its last
+    output is a 4-byte flag per device, ready once every move is done (what a sender waits on:
+    its half of the moved values is zeros it drops at once)."""
+    axis_index = first.axis_names.index(axis)
+    devices = np.concatenate([first.devices, second.devices], axis=axis_index)
+    mesh = Mesh(devices, first.axis_names, axis_types=first.axis_types)
     specs = tuple(_pair_spec(axis, spec) for _, _, spec in entries)
+    perm = [(0, 1)] if first_sends else [(1, 0)]
 
     def move(*blocks):
-        return tuple(jax.lax.ppermute(b, axis, [(0, 1)]) for b in blocks)
+        moved = tuple(jax.lax.ppermute(b, axis, perm) for b in blocks)
+        return jax.lax.optimization_barrier((*moved, jnp.zeros((1,), jnp.int32)))
 
-    body = shard_map(move, mesh=mesh, in_specs=specs, out_specs=specs)
+    flag = PartitionSpec(axis)
+    body = shard_map(move, mesh=mesh, in_specs=specs, out_specs=(*specs, flag), check=False)
     shardings = [NamedSharding(mesh, s) for s in specs]
     avals = [
         jax.ShapeDtypeStruct((2 * shape[0], *shape[1:]), dtype, sharding=sh)

@@ -35,10 +35,13 @@ from jaxpp_integration.schedules import (
     resolve_stage_to_rank,
     validate_tasks,
 )
+from jaxpp_integration.schedules.tasks import task_dependencies
+from jaxpp_integration.schedules.validation import ScheduledItem
 
-__all__ = ["Costs", "Event", "Simulation", "simulate"]
+__all__ = ["Costs", "Event", "Simulation", "blocking_replay", "simulate"]
 
 EVENT_KINDS = ("fwd", "bwd", "bwdI", "bwdW", "fused", "other")
+TRANSFER_MODES = ("overlapped", "blocking")
 
 
 @dataclass(frozen=True)
@@ -138,8 +141,14 @@ def simulate(
     num_stages: int | None = None,
     mpmd_dim: int | None = None,
     stage_to_rank: Callable[[StageId], RankId] | Sequence[RankId] | None = None,
+    transfers: str = "overlapped",
 ) -> Simulation:
     """Validate and replay a schedule (a ``Schedule`` or raw per-rank lists) under ``costs``.
+
+    ``transfers`` says what a value crossing ranks costs (``Costs.transfer`` each): "overlapped"
+    (sends and receives on streams of their own: the consumer starts ``transfer`` after the
+    producer ends, and neither rank is held), or "blocking" (a collective on both ranks' compute
+    streams, as the engine's pair programs are: see ``blocking_replay``).
 
     For raw lists, ``mpmd_dim`` defaults to the number of lists, ``num_stages`` to the highest
     stage id + 1, ``stage_to_rank`` to ``stage % mpmd_dim``, and the backward counts as split
@@ -168,14 +177,19 @@ def simulate(
         placement = resolve_stage_to_rank(stage_to_rank, mpmd_dim)
 
     validate_tasks(per_rank, num_stages, mpmd_dim, n_microbatches, split_backward, placement)
-    replay = list_schedule(
-        per_rank,
-        num_stages,
-        split_backward,
-        placement,
-        duration=costs.item_cost,
-        transfer=costs.transfer,
-    )
+    if transfers not in TRANSFER_MODES:
+        raise ValueError(f"simulate: transfers={transfers!r}; use one of {TRANSFER_MODES}")
+    if transfers == "blocking":
+        replay = blocking_replay(per_rank, num_stages, split_backward, placement, costs)
+    else:
+        replay = list_schedule(
+            per_rank,
+            num_stages,
+            split_backward,
+            placement,
+            duration=costs.item_cost,
+            transfer=costs.transfer,
+        )
     replay.sort(key=lambda x: (x.start, x.rank, x.step))
 
     n_ranks = len(per_rank)
@@ -227,6 +241,57 @@ def simulate(
         live_activations_per_rank=tuple(live),
         peak_live_activations=tuple(peaks),
     )
+
+
+def blocking_replay(
+    per_rank: Sequence[Sequence[Item]],
+    num_stages: int,
+    split_backward: bool,
+    placement: Callable[[StageId], RankId],
+    costs: Costs,
+) -> list[ScheduledItem]:
+    """The replay when every transfer is a collective both ranks run on their compute streams,
+    in the engine's dispatch order (``compiler/program.py``): the items sorted by start time in
+    the replay with the default costs (fwd 1, bwd 2, split halves 1) and free transfers, each
+    value sent to another rank right after the item that made it. Each rank's stream runs its
+    items and transfers in that order; a transfer starts once its producer has finished and
+    BOTH ranks have finished what comes before it on their streams, and holds both for
+    ``costs.transfer``. A sender therefore waits for a busy receiver, and a receiver for a
+    late sender."""
+    order = list_schedule(per_rank, num_stages, split_backward, placement, Costs().item_cost)
+    order.sort(key=lambda x: (x.start, x.rank, x.step))
+    readers: dict[Task, list[RankId]] = {}  # task -> other ranks reading its output, in order
+    for row in per_rank:
+        for item in row:
+            inner = item_tasks(item)
+            for task in inner:
+                here = placement(task.stage)
+                for dep in task_dependencies(task, num_stages, split_backward):
+                    there = placement(dep.stage)
+                    if dep not in inner and there != here and here not in readers.get(dep, []):
+                        readers.setdefault(dep, []).append(here)
+    free = [0.0] * len(per_rank)  # when each rank's stream is next free
+    done: dict[Task, float] = {}
+    arrived: dict[tuple[Task, RankId], float] = {}  # (task, rank): its output there, from then
+    out = []
+    for x in order:
+        inner = item_tasks(x.item)
+        start = free[x.rank]
+        for task in inner:
+            for dep in task_dependencies(task, num_stages, split_backward):
+                if dep not in inner:
+                    ready = done[dep] if placement(dep.stage) == x.rank else arrived[(dep, x.rank)]
+                    start = max(start, ready)
+        end = start + costs.item_cost(x.item)
+        out.append(ScheduledItem(x.rank, x.step, x.item, start, end))
+        free[x.rank] = end
+        for task in inner:
+            done[task] = end
+        for task in inner:
+            for dst in readers.get(task, ()):
+                begin = max(end, free[x.rank], free[dst])
+                free[x.rank] = free[dst] = arrived[(task, dst)] = begin + costs.transfer
+    return out
 
 
 def _tasks_of(item: object) -> tuple[Task, ...]:

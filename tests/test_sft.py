@@ -1,0 +1,208 @@
+"""Chat fine-tuning (use_sft) end to end, from a converted Hugging Face checkpoint.
+
+One world per module: a byte-level tokenizer.json with ChatML's special tokens, a random Llama
+(4 layers, width 32) written as a Hugging Face folder with its tokenizer, `chat_template.jinja`
+(ChatML, Qwen 2.5's) and a generation_config.json, converted with to_maxtext (which copies the
+tokenizer files into the checkpoint), and a synthetic chat set ("What is 3 plus 4?" -> "The
+answer is 7.") prepared from the converted checkpoint with `prepare --format chat`.
+
+References nobody here wrote or that the test computes on its own:
+- the trained tokens: transformers' `return_assistant_tokens_mask` on a ChatML template with
+  `{% generation %}` tags that renders these conversations identically (asserted);
+- the loss: a float64 numpy Llama forward pass (tests/hf_reference.py) of each packed example
+  on its own (a packed row's examples attend only within themselves, positions restarting),
+  cross-entropy over those tokens, mean over the global batch's trained tokens.
+Tolerance 1e-5 absolute on a loss ~6: float32 logits of magnitude ~5 differ from float64 by a few
+ulps (~1e-6) per token; the mean over ~100 tokens does not grow that.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from chat_world import (
+    BASE,
+    SYSTEM,
+    chat_model,
+    conversation,
+    independent_masks,
+    segments,
+    target_logprobs,
+)
+from small_model import merged
+
+from MaxText.config import load_config
+from MaxText.data.prepare import main as prepare
+from MaxText.train import main as train
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    rng = np.random.default_rng(0)
+    chats = [conversation(rng) for _ in range(96)]
+    model = chat_model(root, [m["content"] for c in chats for m in c] + ["system user assistant"])
+    ckpt = model["ckpt"][0]
+    with open(root / "chats.jsonl", "w") as f:
+        for c in chats:
+            f.write(json.dumps({"messages": c}) + "\n")
+    data = root / "data"
+    args = ["--format", "chat", "--input", str(root / "chats.jsonl"), "--out", str(data)]
+    args += ["--tokenizer_path", str(ckpt), "--eval_fraction", "0.15", "--quiet"]
+    assert prepare(args) == 0
+    return {
+        "root": root,
+        "cfg": model["cfg"],
+        "tensors": model["tensors"][0],
+        "ckpt": ckpt,
+        "data": data,
+        "chats": chats,
+        "hf": model["hf"],
+        "masks": independent_masks(model["hf"], chats),
+    }
+
+
+def sft_keys(world, *extra: str) -> list[str]:
+    data = world["data"]
+    return merged(
+        BASE,
+        f"load_parameters_path={world['ckpt']}",
+        "use_sft=true",
+        "dataset_type=grain",
+        f"grain_train_files={data}/train-*.array_record",
+        f"grain_eval_files={data}/eval-*.array_record",
+        "max_target_length=64",
+        "global_batch_size=8",
+        "log_period=1",
+        "eval_interval=0",
+        "enable_progress_bar=false",
+        "enable_tensorboard=false",
+        "grain_worker_count=0",  # the default (1) runs in test_fine_tuning_docs.py
+        f"base_output_directory={world['root'] / 'runs'}",
+        *extra,
+    )
+
+
+def records(world, run: str) -> list[dict]:
+    path = world["root"] / "runs" / run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def reference_loss(world, batch) -> tuple[float, int]:
+    """float64 loss of a batch: each example (segment) on its own, over the independently
+    computed trained tokens (asserted equal to the batch's mask); (loss, trained tokens)."""
+    total, count = 0.0, 0
+    for r, where, ids in segments(batch):
+        mask = world["masks"][tuple(ids.tolist())][1:]  # KeyError: not one whole example
+        np.testing.assert_array_equal(batch["targets_mask"][r, where], mask)
+        total -= float((target_logprobs(world["cfg"], world["tensors"], ids) * mask).sum())
+        count += int(mask.sum())
+    return total / count, count
+
+
+def first_batch(argv):
+    from MaxText.data import make_data
+
+    data = make_data(load_config(argv))
+    batch = next(data.train)
+    data.close()
+    return batch
+
+
+def test_learns_the_format_and_generates_a_reply(world, capsys):
+    """SPMD, packed rows, default keys otherwise (scanned layers, checkpointing on): the first
+    step's loss is the float64 reference's; after 40 steps the held-out assistant-token loss is
+    below 1.0 nats: ln(vocab) = 5.8 for a model that knows nothing, and ~8 trained tokens per
+    answer of which only the sum is not fixed by the format (a model that learned the format and
+    guessed the sum uniformly among the 13 possible would score ln(13) / 8 = 0.32). The trained
+    model answers a chat prompt in the format and stops at <|im_end|>, an eos id that only the
+    checkpoint's generation_config.json names."""
+    from MaxText.generate import main as generate
+
+    argv = sft_keys(world, "steps=40", "eval_interval=40", "learning_rate=1e-2", "run_name=learn")
+    assert train(argv) == 0
+    log = records(world, "learn")
+    want, count = reference_loss(world, first_batch(argv))
+    assert log[0]["trained_tokens"] == log[0]["total_weights"] == count
+    assert abs(log[0]["loss"] - want) <= TOL, (log[0]["loss"], want)
+    assert log[-1]["step"] == 40 and log[-1]["eval_loss"] < 1.0, log[-1]
+    prompt = world["root"] / "prompt.json"
+    prompt.write_text(json.dumps([SYSTEM, {"role": "user", "content": "What is 2 plus 1?"}]))
+    capsys.readouterr()
+    run = world["root"] / "runs" / "learn"
+    keys = [f"load_parameters_path={run}", "use_chat_template=true", f"chat_prompt_file={prompt}"]
+    assert generate([BASE, *keys, "max_prefill_predict_length=40", "max_predict_length=60"]) == 0
+    reply = capsys.readouterr().out.strip()
+    assert reply.startswith("The answer is ") and reply.endswith("."), reply
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["packing=false"], ["pipeline_parallelism=2"], ["pipeline_parallelism=2", "packing=false"]],
+    ids=["spmd_unpacked", "pp2", "pp2_unpacked"],
+)
+def test_first_step_loss_equals_float64_reference(world, layout):
+    """The other layouts (SPMD packed: test_learns_the_format_and_generates_a_reply)."""
+    run = "first_" + "_".join(layout).replace("=", "")
+    argv = sft_keys(world, "steps=1", "enable_checkpointing=false", f"run_name={run}", *layout)
+    assert train(argv) == 0
+    record = records(world, run)[0]
+    want, count = reference_loss(world, first_batch(argv))
+    assert record["trained_tokens"] == record["total_weights"] == count
+    assert abs(record["loss"] - want) <= TOL, (record["loss"], want)
+
+
+def test_resume_mid_epoch_is_bitwise_at_pp4(world):
+    """pipeline_parallelism=4, default keys: a 4-step run saving at steps 2 and 4; then its
+    step-4 checkpoint is removed and the run restarted: it resumes at step 2 (inside the first
+    epoch: 79 examples, ~24 per 8-row batch) and steps 3 and 4 repeat bit for bit."""
+    import shutil
+
+    keys = ("pipeline_parallelism=4", "checkpoint_period=2", "async_checkpointing=false")
+    argv = sft_keys(world, "steps=4", "run_name=resume", *keys)
+    assert train(argv) == 0
+    first = records(world, "resume")
+    run = world["root"] / "runs" / "resume"
+    shutil.rmtree(run / "checkpoints" / "4")
+    assert train(argv) == 0
+    again = records(world, "resume")[len(first) :]
+    assert [r["step"] for r in first] == [1, 2, 3, 4] and [r["step"] for r in again] == [3, 4]
+    assert [r["loss"] for r in again] == [r["loss"] for r in first[2:]]  # JSON floats: all bits
+    assert [r["trained_tokens"] for r in again] == [r["trained_tokens"] for r in first[2:]]
+
+
+def test_changing_every_prompt_target_leaves_the_loss(world):
+    """The step's loss function (the SPMD eval step: the train step's loss, no update) on the
+    first batch and on the batch with every target outside the assistant spans replaced (prompt
+    tokens and padding): bitwise the same sums. With sft_train_on_completion_only=false (every
+    token trained) the same change moves the loss, so the change reaches the loss."""
+    import jax
+
+    from MaxText.checkpoint import manager
+    from MaxText.generate import abstract_params
+    from MaxText.model import Decoder
+    from MaxText.train_step import make_eval_step
+
+    sums, prompt = {}, None
+    for completion_only in ("true", "false"):
+        argv = sft_keys(world, f"sft_train_on_completion_only={completion_only}")
+        config = load_config(argv)
+        params, _ = manager.load_params(world["ckpt"], abstract_params(config), config)
+        step = jax.jit(make_eval_step(Decoder(config)))
+        batch = first_batch(argv)
+        if prompt is None:  # the rows are the same with either key; the masks differ
+            prompt, trained = batch["targets_mask"] == 0, batch["targets_mask"].sum()
+            assert prompt.sum() > trained > 0
+        changed = dict(batch)
+        changed["targets"] = np.where(prompt, (batch["targets"] + 7) % 300, batch["targets"])
+        sums[completion_only] = [
+            {k: np.asarray(v) for k, v in step(params, b).items()} for b in (batch, changed)
+        ]
+    (a, b), (c, d) = sums["true"], sums["false"]
+    np.testing.assert_array_equal(a["loss_sum"], b["loss_sum"])
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    assert abs(float(c["loss_sum"]) - float(d["loss_sum"])) > 1.0
