@@ -9,8 +9,9 @@ instances, a collective inside a layer scan's `while` once per trip.
   the scans too) and one `reduce_r` task per stage all-reduces them: 0 reductions in the loop
   tasks and 2 per step at m = 4 and 8.
 - data=2 x fsdp=2: over data the same; over fsdp each microbatch's gradient of a weight sharded
-  over fsdp is reduce-scattered into its shard in the backward task (m per such weight per
-  step), and the accumulators hold shards.
+  over fsdp is reduce-scattered into its shard in the backward task, a stacked layer weight's
+  one layer at a time inside the backward layer scan (m x layers per such stack per step, m
+  per other such weight), and the accumulators hold shards.
 - "microbatch" reduces in every task instance. The modes add the same numbers in another order,
   so each step from the same state agrees within `MODES_RTOL` of each leaf's scale, not bitwise.
 """
@@ -137,11 +138,25 @@ def _fsdp_leaves_per_group(trainer, state):
     return counts
 
 
+def _fsdp_scatters_per_microbatch(state) -> int:
+    """Reduce-scatters over fsdp one microbatch's backward makes (read off the state): one per
+    layer of every fsdp-sharded weight stacked for a stage's layer scan (`layers_stage_<s>`,
+    leading axis = layer), one per other fsdp-sharded weight."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state["params"])[0]:
+        spec = [a for e in leaf.sharding.spec for a in (e if isinstance(e, tuple) else (e,))]
+        if "fsdp" in spec:
+            total += leaf.shape[0] if str(path[0].key).startswith("layers_stage_") else 1
+    return total
+
+
 @pytest.mark.slow
 def test_auto_with_data_and_fsdp(trainers):
     """pp=2 x data=2 x fsdp=2, m=4, default keys (XLA:CPU reports no device memory, so auto
     scatters over fsdp): every weight sharded over fsdp gets one reduce-scatter over fsdp per
-    microbatch (4 x the count read off the state), no all-reduce in the loop; after it one
+    microbatch, a stacked layer weight one per layer, inside the backward layer scan (4 x the
+    count read off the state; before issue 37, one per stack after the scan), no all-reduce in
+    the loop; after it one
     all-reduce over data per stage (the shards) and one over data+fsdp per stage (gradients of
     weights replicated over fsdp, loss sum, token count). The accumulators reaching the
     reduce_ tasks are, on every device of their group, [1, *shard]: split over data and fsdp.
@@ -158,8 +173,10 @@ def test_auto_with_data_and_fsdp(trainers):
         compiled.executables.update(originals)
     per_group = _fsdp_leaves_per_group(trainer, state)
     assert all(per_group)
-    assert _loop(trainer, "reduce-scatter", ("fsdp",)) == 4 * sum(per_group)
-    assert _loop(trainer, "reduce-scatter") == 4 * sum(per_group)
+    per_microbatch = _fsdp_scatters_per_microbatch(state)
+    assert per_microbatch > sum(per_group)  # 2 layers a stage: stacks scatter per layer
+    assert _loop(trainer, "reduce-scatter", ("fsdp",)) == 4 * per_microbatch
+    assert _loop(trainer, "reduce-scatter") == 4 * per_microbatch
     assert _loop(trainer, "all-reduce") == 0
     assert task_collectives(compiled, "reduce_", "all-reduce", ("data",)) == 2
     assert task_collectives(compiled, "reduce_", "all-reduce", ("data", "fsdp")) == 2
@@ -203,8 +220,8 @@ def test_planner_reports_gradient_bytes_and_launches(trainers):
     assert report["mode"] == "auto" and report["scattered_axes"] == ["fsdp"]
     assert report["grad_bytes"] == [g.grad_bytes for g in plans["auto"].groups]
     config, trainer = trainers(4, None, *DATA2_FSDP2)
-    fsdp_leaves = sum(_fsdp_leaves_per_group(trainer, _train(config, trainer, steps=1)))
-    assert report["reductions"]["reduce-scatter"]["fsdp"]["launches"] == 4 * fsdp_leaves
+    per_microbatch = _fsdp_scatters_per_microbatch(_train(config, trainer, steps=1))
+    assert report["reductions"]["reduce-scatter"]["fsdp"]["launches"] == 4 * per_microbatch
     assert report["reductions"]["all-reduce"]["data"]["launches"] == 2
     assert plans["step"].gradients["reductions"].keys() == {"all-reduce"}
     assert plans["microbatch"].gradients["mode"] == "microbatch"
