@@ -6,7 +6,9 @@
 It plans the config as `train.py` would run it (`MaxText.planning.cost_model`: the trainer's real
 step compiled on abstract inputs, no parameter memory), with every `auto` key decided as the trainer
 decides it (`MaxText.planning.auto`), and prints per pipeline group and per device: parameters,
-optimizer state, gradient accumulators, peak activations, XLA temporaries and the total peak;
+optimizer state, gradient accumulators, peak activations, XLA temporaries and the total peak
+(a GPU plan that does not fit by XLA:CPU's temporaries is judged by the per-layer bound where
+that is smaller, and says so: `MaxText.planning.layer_bound`);
 then the predicted step time, bubble and MFU, the stage split (even vs auto side by side) and the
 remat policy of each stage. A mixture of experts adds a line (`cost_model.describe_moe`) and is
 planned for a GPU preset with its GPU kernel (`moe_matmul=auto` is `ragged_dot` there).
@@ -37,6 +39,7 @@ from MaxText.planning.cost_model import (
     format_bytes,
 )
 from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
+from MaxText.planning.layer_bound import describe as describe_bound
 
 
 def format_plan(plan: Plan) -> str:
@@ -64,6 +67,9 @@ def format_plan(plan: Plan) -> str:
         f"predicted step {p['step_time_s']:.3f} s, bubble {100 * p['bubble']:.1f}%, "
         f"MFU {100 * p['mfu']:.1f}%"
     )
+    if plan.layer_bound is not None:
+        xla = [g.xla_temp_bytes or g.temp_bytes for g in plan.groups]
+        rows += describe_bound(plan.layer_bound, plan.hardware, xla, format_bytes)
     if plan.gradients is not None:
         rows.append(describe_gradients(plan.gradients))
     if plan.moe is not None:

@@ -11,7 +11,9 @@ For each row the trainer's real step is built and compiled by the planner
 reduce-scatter of the loop and `reduce_r` tasks, by mesh axes, a collective inside a layer
 scan counted once per trip), those inside the loop tasks, the launches and bytes (of each
 collective's result) per step per device of the busiest group (a device runs its own group's
-collectives only), and the gradient accumulator bytes per device of the largest group.
+collectives only), the gradient accumulator bytes per device of the largest group, and the
+memory issue 37 is about: the largest group's XLA temporaries and peak per device, and whether
+the plan fits.
 
 - `tiny` (configs/base.yml defaults: scanned layers), pipeline_parallelism=2 with
   ici_data_parallelism=2, and with ici_data_parallelism=2 x ici_fsdp_parallelism=2; m = 4, 8,
@@ -19,10 +21,13 @@ collectives only), and the gradient accumulator bytes per device of the largest 
   XLA:CPU reports no device memory, so auto scatters over fsdp, as the trainer here does);
 - Llama 2 70B at pipeline_parallelism=8 x ici_fsdp_parallelism=8 (global batch 128, 16
   microbatches, remat full), planned for an H100 (80 GB), each mode in its own process
-  (`python -m MaxText.plan ... --json`): 64 emulated devices.
+  (`python -m MaxText.plan ... --json`): 64 emulated devices; and `auto` with unrolled layers
+  (`scan_layers=false`), whose XLA:CPU temporaries the planner judges by the per-layer bound
+  (`MaxText/planning/layer_bound.py`; the row keeps XLA:CPU's figure and the bound).
 
 Writes `benchmarks/results/collectives.json` and prints the table of benchmarks/README.md.
-`--quick`: m = 4 only and no 70B rows (a check that the script works).
+`--quick`: m = 4 only and no 70B rows (a check that the script works). `--only 70b` (or
+`tiny`): those rows only, the others kept from the existing results.
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ LLAMA_70B = [
 ]
 
 
-def summary(report: dict) -> dict:
-    """The table's columns from one plan's `gradients` report."""
+def summary(plan: dict) -> dict:
+    """The table's columns from one plan (`Plan.as_json`): its `gradients` report and memory."""
+    report = plan["gradients"]
     launches, by_axes = 0, {}
     for kind, axes in report["reductions"].items():
         for where, c in axes.items():
@@ -74,6 +80,10 @@ def summary(report: dict) -> dict:
         "grad_bytes_per_device": max(report["grad_bytes"]),
         "deferred_axes": report["deferred_axes"],
         "scattered_axes": report["scattered_axes"],
+        "temp_bytes_per_device": max(g["temp_bytes"] for g in plan["groups"]),
+        "peak_bytes_per_device": max(g["peak_bytes"] for g in plan["groups"]),
+        "fits": plan["fits"],
+        **({"temporaries": plan["temporaries"]} if "temporaries" in plan else {}),
     }
 
 
@@ -91,11 +101,10 @@ def plan_tiny(mesh_keys: list, m: int, mode: str) -> dict:
             f"gradient_reduction={mode}",
         ]
     )
-    plan = cost_model.plan_pipelined(config, cpu_hardware(config.num_devices))
-    return plan.gradients
+    return cost_model.plan_pipelined(config, cpu_hardware(config.num_devices)).as_json()
 
 
-def plan_70b(mode: str) -> dict:
+def plan_70b(mode: str, *extra: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         cmd = [
@@ -104,6 +113,7 @@ def plan_70b(mode: str) -> dict:
             "MaxText.plan",
             "configs/base.yml",
             *LLAMA_70B,
+            *extra,
             f"gradient_reduction={mode}",
             "--hardware",
             "h100",
@@ -114,7 +124,7 @@ def plan_70b(mode: str) -> dict:
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if not path.exists():
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        return json.loads(path.read_text())["gradients"]
+        return json.loads(path.read_text())
 
 
 def table(rows: list) -> str:
@@ -122,8 +132,9 @@ def table(rows: list) -> str:
 
     out = [
         "| config | m | mode | reductions per step, all groups (by axes) | in loop tasks | "
-        "per device: launches / bytes per step | gradients per device |",
-        "|---|---|---|---|---|---|---|",
+        "per device: launches / bytes per step | gradients per device | XLA temporaries / "
+        "peak per device |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         axes = ", ".join(f"{k} {v}" for k, v in r["launches_by_axes"].items())
@@ -131,33 +142,51 @@ def table(rows: list) -> str:
             f"| {r['config']} | {r['m']} | {r['mode']} | {r['launches_per_step']} ({axes}) | "
             f"{r['in_loop_tasks']} | {r['launches_per_step_per_device']} / "
             f"{format_bytes(r['bytes_per_step_per_device'])} | "
-            f"{format_bytes(r['grad_bytes_per_device'])} |"
+            f"{format_bytes(r['grad_bytes_per_device'])} | {_memory(r, format_bytes)} |"
         )
     return "\n".join(out)
+
+
+def _memory(row: dict, fmt) -> str:
+    text = f"{fmt(row['temp_bytes_per_device'])} / {fmt(row['peak_bytes_per_device'])}"
+    if "temporaries" in row:  # judged by the per-layer bound
+        xla = max(row["temporaries"]["compiler_temp_bytes"])
+        text += f" (XLA:CPU's: {fmt(xla)}; per-layer bound)"
+    return text + ("" if row["fits"] else ", does not fit")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="m=4 only, no Llama 2 70B rows")
+    parser.add_argument("--only", choices=("tiny", "70b"), default=None)
     args = parser.parse_args()
     from MaxText.cluster import devices
 
     devices.setup(num_devices=8)
     t0 = time.perf_counter()
     rows = []
-    for name, keys in MESHES.items():
+    kept = json.loads(OUT.read_text())["rows"] if args.only else []
+    if args.only == "70b":
+        rows = [r for r in kept if r["config"].startswith("tiny")]
+    for name, keys in MESHES.items() if args.only != "70b" else ():
         for m in (4,) if args.quick else (4, 8, 16):
             for mode in MODES:
                 row = {"config": f"tiny {name}", "m": m, "mode": mode}
                 row.update(summary(plan_tiny(keys, m, mode)))
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
-    if not args.quick:
+    if args.only == "tiny":
+        rows += [r for r in kept if not r["config"].startswith("tiny")]
+    elif not args.quick:
         for mode in MODES:
             row = {"config": "llama2-70b pp8 fsdp8 (H100)", "m": 16, "mode": mode}
             row.update(summary(plan_70b(mode)))
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
+        row = {"config": "llama2-70b pp8 fsdp8 (H100) unrolled", "m": 16, "mode": "auto"}
+        row.update(summary(plan_70b("auto", "scan_layers=false")))
+        rows.append(row)
+        print(table([row]).splitlines()[-1], flush=True)
     out = {
         "what": "gradient reduction launches and bytes per step, and gradient bytes per device, "
         "from the compiled HLO of the trainer's step (planner, abstract inputs)",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import pathlib
 import threading
 
 import numpy as np
@@ -247,6 +249,40 @@ def reset_compilation_cache() -> None:
     from jax._src import compilation_cache
 
     compilation_cache.reset_cache()
+
+
+_ATOMIC_PUT = []
+
+
+def atomic_persistent_cache_writes() -> None:
+    """Makes JAX's persistent compilation cache write each entry whole in a local directory
+    (once per process): to a temporary file, renamed into place. JAX writes an entry in place,
+    so a process reading it meanwhile (runs sharing one `jax_cache_dir`, the test suite's
+    workers) gets a partial entry, warns and compiles again. Eviction-enabled caches (which lock
+    every access) and non-local directories are left as JAX writes them."""
+    if _ATOMIC_PUT:
+        return
+    try:
+        from jax._src import lru_cache
+
+        original, suffix = lru_cache.LRUCache.put, lru_cache._CACHE_SUFFIX
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX version
+        _ATOMIC_PUT.append(None)
+        return
+
+    def put(self, key: str, value: bytes) -> None:
+        folder = os.fspath(getattr(self, "path", ""))  # JAX's Path: pathlib's or etils'
+        if self.eviction_enabled or not key or "://" in folder or not os.path.isdir(folder):
+            return original(self, key, value)
+        final = pathlib.Path(folder, f"{key}{suffix}")
+        if final.exists():
+            return  # as JAX: the first writer's entry stays
+        partial = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        partial.write_bytes(value)
+        os.replace(partial, final)
+
+    lru_cache.LRUCache.put = put
+    _ATOMIC_PUT.append(original)
 
 
 _READS = threading.local()  # the `persistent_cache_reads` record of this thread, if any

@@ -2,6 +2,7 @@
 
     python tests/checkpoint_worker.py freeze:<step> configs/base.yml key=value ...
     python tests/checkpoint_worker.py fill:<step>:<folder> configs/base.yml key=value ...
+    python tests/checkpoint_worker.py lock:<step>:<folder> configs/base.yml key=value ...
 
 `freeze`: orbax writes a step into `<step>.orbax-checkpoint-tmp` and makes it complete by
 renaming it to `<step>`. This replaces that final rename, for `<step>` only, by a line
@@ -12,6 +13,10 @@ save is written but not finalized (training goes on meanwhile, on the main threa
 filesystem holding `<folder>` is full (ENOSPC), so that save fails on a really full disk; then
 the line `FILLED <step>` is printed. Used by tests/test_checkpointing.py and
 tests/test_checkpoint_faults.py.
+
+`lock`: right before the save of `<step>` starts, `<folder>` is made read-only to its owner
+(mode 555) and the line `LOCKED <step>` is printed, so that the save meets "permission denied"
+(run the worker where file permissions apply to it: `fs_faults.without_file_permission_override`).
 """
 
 from __future__ import annotations
@@ -39,19 +44,36 @@ def fill(folder: Path) -> None:
         os.close(fd)
 
 
-def fill_before_save(step: int, folder: Path) -> None:
+def before_save(step: int, interfere) -> None:
+    """`interfere()` runs right before the save of `step` starts, once the previous save is
+    complete (it was written undisturbed)."""
     from MaxText.checkpoint.manager import Checkpoints
 
     real_save = Checkpoints.save
 
     def save(self, at, *args, **kwargs):
         if at == step:
-            self.wait()  # the previous save completes on a disk with room
-            fill(folder)
-            print(f"FILLED {step}", flush=True)
+            self.wait()
+            interfere()
         return real_save(self, at, *args, **kwargs)
 
     Checkpoints.save = save
+
+
+def fill_before_save(step: int, folder: Path) -> None:
+    def interfere():
+        fill(folder)
+        print(f"FILLED {step}", flush=True)
+
+    before_save(step, interfere)
+
+
+def lock_before_save(step: int, folder: Path) -> None:
+    def interfere():
+        folder.chmod(0o555)
+        print(f"LOCKED {step}", flush=True)
+
+    before_save(step, interfere)
 
 
 def freeze(step: str) -> None:
@@ -73,9 +95,10 @@ def main() -> int:
     mode, _, rest = sys.argv[1].partition(":")
     if mode == "freeze":
         freeze(rest)
-    elif mode == "fill":
+    elif mode in ("fill", "lock"):
         step, folder = rest.split(":", 1)
-        fill_before_save(int(step), Path(folder))
+        interfere = fill_before_save if mode == "fill" else lock_before_save
+        interfere(int(step), Path(folder))
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")
     from MaxText.train import main as train_main

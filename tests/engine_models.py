@@ -112,20 +112,22 @@ def mpmd_mesh(num_groups, inner=1, names=("stage", "fsdp")):
 
 
 def run_both(step, params, opt_state, batch, mesh, steps=3, each_step=None, **mpmd_kwargs):
-    """Runs `steps` steps under jax.jit and pipelined; returns both trajectories' final values.
+    """Runs `steps` pipelined steps and, before each, jax.jit of the step from the same input
+    state (so that differences do not compound over steps: tests/compare.py); returns the last
+    step's outputs of both, each step's pair of losses and the compiled step.
     `each_step(k, ref_out, pipelined_out)`, if given, is called after every step."""
     ref = jax.jit(step)
     pp = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mesh, **mpmd_kwargs)
     compiled = pp.compile(params, opt_state, batch)
-    r = p = (params, opt_state)
+    p = (params, opt_state)
     losses = []
     for k in range(steps):
-        r_out = ref(*r, batch)
+        r_out = ref(*jax.tree.map(np.asarray, p), batch)
         p_out = compiled(*p, batch)
         losses.append((np.asarray(r_out[2]), np.asarray(p_out[2])))
         if each_step is not None:
             each_step(k, r_out, p_out)
-        r, p = r_out[:2], p_out[:2]
+        p = p_out[:2]
     return r_out, p_out, losses, compiled
 
 

@@ -33,6 +33,10 @@ SMALL_MODEL_SHAPE = [
 
 SMALL_MODEL = ["scan_layers=false", *SMALL_MODEL_SHAPE]
 
+# Tokens per training step of the small model (global_batch_size x max_target_length): the
+# number of terms in each sum over the batch (losses, gradients), for tolerance bounds.
+SMALL_MODEL_TOKENS = 8 * 16
+
 # MaxText's base_* model keys (scaled by global_parameter_scale) for a small model
 BASE_MODEL = [
     "base_emb_dim=64",

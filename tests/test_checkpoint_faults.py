@@ -188,6 +188,42 @@ def test_disk_full_during_an_async_save_is_one_line_and_the_run_resumes(full_run
         assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [5, 10]
 
 
+def test_permission_denied_during_an_async_save_is_one_line(full_run, tmp_path):
+    """The checkpoints folder turns read-only to the trainer (mode 555, file permissions applying
+    to it) before the default async save of step 10: one line naming the step, EACCES and the
+    newest checkpoint on disk (step 5, untouched), exit 1."""
+    shutil.copytree(full_run[0] / "full" / "checkpoints" / "5", tmp_path / "run/checkpoints/5")
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = snapshot(ckpts / "5")
+    worker = str(REPO / "tests" / "checkpoint_worker.py")
+    cmd = [sys.executable, worker, f"lock:10:{ckpts}", *argv(tmp_path, "run", "steps=10")]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        done = subprocess.run(
+            without_file_permission_override(cmd),
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    finally:
+        ckpts.chmod(0o755)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "LOCKED 10" in done.stdout
+    err = done.stderr.splitlines()
+    assert err[-1].startswith(
+        "I/O error: saving checkpoint step 10 failed: Permission denied (EACCES) at "
+    ), err[-3:]
+    assert err[-1].endswith(
+        f"; the newest checkpoint on disk is step 5 ({ckpts / '5'}), a restart resumes from "
+        f"it; free space or fix the permissions of {ckpts} and run again"
+    )
+    assert "Traceback" not in done.stderr and "Error" not in "\n".join(err[:-1])
+    assert snapshot(ckpts / "5") == before
+    assert sorted(p.name for p in ckpts.iterdir()) == ["5"]
+
+
 def test_disk_full_during_a_sync_save(full_run, tmp_path, capfd, monkeypatch):
     with tmpfs(tmp_path / "disk", 20) as disk:
         real_save = checkpointing.Checkpoints.save

@@ -13,6 +13,7 @@ at step 10 has the same schedule as the 20-step run it is compared with.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -26,9 +27,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from small_model import SMALL_MODEL, merged
+from compare import assert_bitwise as cmp_bitwise
+from compare import assert_close_per_leaf, host, put_like, reordered_sum_rtol
+from small_model import SMALL_MODEL, SMALL_MODEL_TOKENS, merged
 
 from MaxText import sharding
+from MaxText import train as checkpoint_train
 from MaxText.checkpoint import manager as checkpointing
 from MaxText.checkpoint import restore as checkpoint_restore
 from MaxText.cluster import devices
@@ -348,6 +352,59 @@ def test_on_disk_tree_does_not_depend_on_the_layout(spmd_full, pp4_full):
     assert "['params']['layers_3']['mlp']['wo']" in spmd and "['step']" in spmd
 
 
+class _StepAgainst:
+    """A compiled train step that first runs `reference` (a trainer of another layout) on the
+    same input state and batch, and checks that the two steps agree: every metric and state leaf
+    within `rtol` of its largest magnitude (bitwise when 0). `steps` records each checked step's
+    (step number, reference loss). Other attributes are the compiled step's."""
+
+    def __init__(self, real, reference, batches: dict, rtol: float, steps: list):
+        self.real, self.reference, self.batches = real, reference, batches
+        self.rtol, self.steps = rtol, steps
+        self.template = reference.init_state()  # where the reference takes its state
+
+    def __call__(self, state, batch, **kwargs):
+        inputs = put_like(self.template, host(state))
+        want = host(self.reference.train_step(inputs, self.reference.put_batch(self.batches[0])))
+        out = self.real(state, batch, **kwargs)
+        got = host(out)
+        step = int(want[0]["step"])
+        if self.rtol == 0.0:
+            cmp_bitwise(want, got, f"step {step}: ")
+        else:
+            assert_close_per_leaf(want, got, self.rtol, f"step {step}: ")
+        self.steps.append((step, float(want[1]["loss"])))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _checked_against(reference, rtol: float, steps: list):
+    """A `build_trainer` for `MaxText.train` whose trainers check each step (`_StepAgainst`)."""
+    real_build = checkpoint_train.build_trainer
+
+    def build(config, mesh, *args, **kwargs):
+        trainer = real_build(config, mesh, *args, **kwargs)
+        batches = {}
+
+        def put_batch(batch):
+            batches[0] = batch  # the numpy batch, for the reference's own placement
+            return trainer.put_batch(batch)
+
+        step = _StepAgainst(trainer.train_step, reference, batches, rtol, steps)
+        return dataclasses.replace(trainer, put_batch=put_batch, train_step=step)
+
+    return build
+
+
+# One step from the same state in another layout: every loss and gradient entry is a sum over the
+# step's SMALL_MODEL_TOKENS tokens added in another order, Adam's `nu` holds squares of them
+# (`reordered_sum_rtol`, tests/compare.py). Steps are compared one at a time, each from the
+# resumed run's own state: differences grow step after step through Adam (tests/compare.py).
+ONE_STEP_RTOL = reordered_sum_rtol(SMALL_MODEL_TOKENS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, rtol",
@@ -357,32 +414,39 @@ def test_on_disk_tree_does_not_depend_on_the_layout(spmd_full, pp4_full):
         # program (since this round the last stage's too, and activations carry sharding
         # constraints inside stages), and XLA orders one reduction differently there than in the
         # single jax.jit program, as tests/test_train.py::test_pipeline_matches_unpipelined
-        # states. Measured here: 1.1e-7 relative at step 16 (1 ulp); bound 1e-6, the same as
-        # that test's.
+        # states.
         (("pipeline_parallelism=2",), 0.0),
-        (("pipeline_parallelism=1",), 1e-6),
+        (("pipeline_parallelism=1",), ONE_STEP_RTOL),
         # fsdp=4 cannot use 4 microbatches at a global batch of 8 (4 x 4 data-parallel devices
         # do not divide it), so it runs 2 microbatches of 4 rows sharded over 4 devices: the loss
-        # and gradient sums are added in another order. Measured 1.1e-7 relative; bound 1e-5.
-        (("ici_fsdp_parallelism=4", "num_pipeline_microbatches=2"), 1e-5),
+        # and gradient sums are added in another order.
+        (("ici_fsdp_parallelism=4", "num_pipeline_microbatches=2"), ONE_STEP_RTOL),
     ],
     ids=["pp2", "pp1", "fsdp4"],
 )
-def test_resume_on_another_layout(pp4_full, tmp_path, layout, rtol, logs):
-    """Saved at pipeline_parallelism=4 step 10, resumed elsewhere: steps 11-20 as uninterrupted."""
+def test_resume_on_another_layout(pp4_full, tmp_path, layout, rtol, logs, monkeypatch):
+    """Saved at pipeline_parallelism=4 step 10, resumed elsewhere: each of steps 11-20 agrees
+    with the pipeline_parallelism=4 step from the same state and batch (bitwise, or within
+    `rtol`), and step 11, from the restored state, is the uninterrupted run's step 11 exactly."""
     base, full = pp4_full
+    config = load_config(argv(tmp_path, "reference", "steps=20", "pipeline_parallelism=4"))
+    reference = build_trainer(
+        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+    )
+    checked: list = []
+    monkeypatch.setattr(
+        checkpoint_train, "build_trainer", _checked_against(reference, rtol, checked)
+    )
     copy_checkpoint(base / "full", 10, tmp_path / "run")
     train(tmp_path, "run", "steps=20", *layout)
     line = logs.resumes()[0]
     assert line.startswith("resuming run run from checkpoint step 10 (")
     assert "layout changed: " in line and "ici_pipeline_parallelism 4 -> " in line
+    assert [s for s, _ in checked] == list(range(11, 21))
+    assert checked[0][1] == full[11]  # the reference from the restored state: the saved run's
     got = losses(tmp_path, "run")
     if rtol == 0.0:
         assert_bitwise(got, full, range(11, 21))
-    else:
-        np.testing.assert_allclose(
-            [got[s] for s in range(11, 21)], [full[s] for s in range(11, 21)], rtol=rtol, atol=0
-        )
 
 
 # ---------------------------------------------------------------------------- crashes (SIGKILL)

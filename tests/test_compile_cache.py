@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -92,6 +94,23 @@ def test_second_run_compiles_nothing_and_trains_alike(tmp_path):
     assert second[MISSES] == 0 and second[HITS] > 0, (first, second)
     assert_bitwise(losses, again, "losses with programs from the cache")
     assert jax.config.jax_compilation_cache_dir is None  # JAX's settings are back
+
+
+def test_cache_entries_are_written_whole(tmp_path, monkeypatch):
+    """An entry is written to a temporary file renamed into place (runs and test workers may
+    share one cache folder: a reader must never meet half an entry), and nothing else is left."""
+    from MaxText.cluster.compile_cache import compilation_cache
+
+    written = []
+    write_bytes = Path.write_bytes
+    monkeypatch.setattr(
+        Path, "write_bytes", lambda p, b: written.append(p.name) or write_bytes(p, b)
+    )
+    with compilation_cache(str(tmp_path)):
+        jax.jit(lambda x: x * 3.0 + 1.0)(np.ones(7, np.float32)).block_until_ready()
+    entries = sorted(p.name for p in tmp_path.iterdir())
+    assert len(entries) == 1 and entries[0].endswith("-cache"), entries
+    assert written == [f".{entries[0]}.{os.getpid()}.{threading.get_ident()}.partial"]
 
 
 def test_default_cache_lives_for_the_run_only(tmp_path, monkeypatch):

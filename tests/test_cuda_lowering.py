@@ -6,6 +6,7 @@ then each distinct program of its train step and of its evaluation step is lower
 `lowering_platforms=("cuda",)` (`jaxpp_integration.compiler.compile.task_programs`). Lowering is
 where a construct with no CUDA lowering (a CPU-only custom call, a primitive without a GPU rule)
 fails; it stops there, since XLA:CPU would compile a CUDA-lowered module without complaint.
+That the check fails where it should is tested on a step calling a CPU-only primitive (`schur`).
 `attention=cudnn_flash` needs the CUDA plugin to trace, so it is not lowered here.
 """
 
@@ -13,8 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
+from engine_models import make_step, mpmd_mesh
 
+import jaxpp_integration as jaxpp
 from jaxpp_integration.compiler.compile import task_programs
 from MaxText import sharding
 from MaxText.config import CONFIGS_DIR, load_config
@@ -57,20 +61,56 @@ def compiled_steps(request):
     return {"train": trainer.train_step, "eval": evaluation}
 
 
+def programs_of(compiled) -> list:
+    return task_programs(
+        compiled.program, compiled.mpmd_mesh, compiled.slot_sharding, compiled.executables
+    )
+
+
+def lower_for_cuda(program) -> str:
+    """One task program lowered for CUDA (raises where a construct has no CUDA lowering)."""
+    return program.fn.trace(*program.args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("step", ["train", "eval"])
 def test_every_task_program_lowers_for_cuda(compiled_steps, step):
     compiled = compiled_steps[step]
-    programs = task_programs(
-        compiled.program, compiled.mpmd_mesh, compiled.slot_sharding, compiled.executables
-    )
+    programs = programs_of(compiled)
     assert len(programs) == PROGRAMS[step]
     stats = compiled.compile_stats  # the programs XLA:CPU compiled (or read from the cache)
     assert len(programs) == stats.compiles + stats.persistent_hits
     assert {p.rank for p in programs} == {0, 1}
     for p in programs:
-        lowered = p.fn.trace(*p.args).lower(lowering_platforms=("cuda",))
-        text = lowered.as_text()
-        assert "func.func public @main" in text, p.name
+        assert "func.func public @main" in lower_for_cuda(p), p.name
+
+
+def test_a_cpu_only_primitive_fails_cuda_lowering():
+    """The check above catches what it is for: a 2-stage engine step whose first stage calls
+    `jax.lax.linalg.schur` (XLA:CPU has it through LAPACK, CUDA has no lowering) compiles and
+    runs on CPU, and lowering exactly that stage's forward program for CUDA fails, naming the
+    primitive; the other programs lower."""
+    key = jax.random.PRNGKey(0)
+    params = {"a": jax.random.normal(key, (4, 4)), "b": jax.random.normal(key, (4, 4))}
+
+    def loss_fn(p, x):
+        t, _ = jax.lax.linalg.schur(jax.lax.stop_gradient(p["a"]))
+        h = jaxpp.pipeline_enter_stage(jnp.tanh(x @ (p["a"] + t)))
+        return jnp.mean((h @ p["b"]) ** 2)
+
+    optimizer = optax.sgd(0.1)
+    step = make_step(loss_fn, optimizer, jaxpp.GPipe(2))
+    batch = jax.random.normal(key, (4, 3, 4))  # 4 microbatches
+    compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2)).compile(
+        params, optimizer.init(params), batch
+    )
+    failed = []
+    for p in programs_of(compiled):
+        try:
+            lower_for_cuda(p)
+        except NotImplementedError as e:
+            assert "'schur' not found for platform cuda" in str(e), e
+            failed.append((p.name, p.rank))
+    assert failed == [("fwd_0", 0)]
 
 
 def test_moe_block_with_ragged_dot_lowers_for_cuda():

@@ -22,6 +22,7 @@ from small_model import SMALL_MODEL, merged
 
 from MaxText.config import CONFIGS_DIR
 from MaxText.data import prepare as prepare_lib
+from MaxText.data.shards import Shards
 from MaxText.train import main
 
 
@@ -30,8 +31,8 @@ def shards(tmp_path_factory):
     return prepare_shards(tmp_path_factory.mktemp("grain_train"), seed=1)
 
 
-def train(shards: Path, base: Path, run: str, *overrides: str) -> None:
-    argv = merged(
+def train_argv(shards: Path, base: Path, run: str, *overrides: str) -> list[str]:
+    return merged(
         str(CONFIGS_DIR / "base.yml"),
         *SMALL_MODEL,
         "vocab_size=512",  # the prepared tokenizer has 320 pieces
@@ -49,7 +50,10 @@ def train(shards: Path, base: Path, run: str, *overrides: str) -> None:
         f"run_name={run}",
         *overrides,
     )
-    assert main(argv) == 0
+
+
+def train(shards: Path, base: Path, run: str, *overrides: str) -> None:
+    assert main(train_argv(shards, base, run, *overrides)) == 0
 
 
 def losses(base: Path, run: str, steps: range = range(1, 21)) -> np.ndarray:
@@ -128,7 +132,7 @@ def synthetic_shards(template: Path, out: Path, num_docs: int, doc_len: int) -> 
     out.mkdir()
     shutil.copy(template / prepare_lib.TOKENIZER_FILE, out / prepare_lib.TOKENIZER_FILE)
     manifest = json.loads((template / prepare_lib.MANIFEST).read_text())
-    writer = prepare_lib._Shards(out, "train", 10_000, np.dtype(np.uint16))
+    writer = Shards(out, "train", 10_000, np.dtype(np.uint16))
     rng = np.random.default_rng(0)
     for _ in range(num_docs):
         writer.add(rng.integers(4, 320, doc_len))
@@ -186,7 +190,8 @@ def test_trainer_memory_does_not_grow_with_dataset_size(shards, tmp_path):
 def test_two_process_pipelined_grain_run_equals_one_process(shards, tmp_path):
     """Under pipelining every process feeds the whole batch, so each reads every document (its
     own grain workers): 2 processes (MaxText.launch, one pipeline group each) give bitwise the
-    losses of the 1-process run."""
+    losses of the 1-process run (run in this process, on 2 of its emulated devices: the same
+    pipeline groups of one device each)."""
     import os
     import subprocess
     import sys
@@ -194,28 +199,19 @@ def test_two_process_pipelined_grain_run_equals_one_process(shards, tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    common = merged(
-        "configs/base.yml",
-        *SMALL_MODEL,
-        "vocab_size=512",
-        "dataset_type=grain",
-        f"grain_train_files={shards}/train-*.array_record",
+    keys = [
         "grain_worker_count=1",
         "pipeline_parallelism=2",
         "steps=4",
-        "log_period=1",
-        "eval_interval=0",
-        "enable_tensorboard=false",
-        "enable_progress_bar=false",
-        f"base_output_directory={tmp_path}",
-    )
+        "enable_checkpointing=false",
+    ]
     launch = [sys.executable, "-m", "MaxText.launch", "--num_processes", "2", "--timeout", "900"]
-    for cmd in (
-        [*launch, "--", *common, "run_name=two"],
-        [sys.executable, "train.py", *common, "run_name=one"],
-    ):
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1000)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = train_argv(shards, tmp_path, "two", *keys)
+    proc = subprocess.run(
+        [*launch, "--", *argv], cwd=root, env=env, capture_output=True, text=True, timeout=1000
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(shards, tmp_path, "one", *keys)
     one = losses(tmp_path, "one", range(1, 5))
     assert_bitwise(one, losses(tmp_path, "two", range(1, 5)), "2 processes vs 1")
 

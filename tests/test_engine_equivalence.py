@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from compare import assert_bitwise, assert_close_per_leaf, assert_on_group
+from compare import assert_bitwise, assert_close_per_leaf, assert_on_group, reordered_sum_rtol
 from engine_models import (
     clipping_sgd,
     make_step,
@@ -139,16 +139,18 @@ def assert_noise_sized(leaves: dict, tree, bound: float, what: str):
     ids=["1f1b_4on4", "interleaved_8on4"],
 )
 def test_tutorial_block_close_per_leaf(num_layers, schedule):
-    """The tutorial block (attention, nn.remat, nn.jit, LayerNorm): gradients, parameters and
-    the momentum state within 5e-6 of each leaf's own largest value after 3 steps, losses
-    within 1e-6; not bitwise.
+    """The tutorial block (attention, nn.remat, nn.jit, LayerNorm): at each of 3 steps, from the
+    same state, gradients, parameters and the momentum state within `reordered_sum_rtol` of the
+    step's 4 x 2 x 8 tokens (squared in the clipping norm) of each leaf's own largest value,
+    losses within the same bound unsquared; not bitwise.
 
     Why: the reference compiles all stages of a microbatch as one XLA program, the pipeline one
     program per stage; XLA then fuses softmax and LayerNorm reductions differently at the stage
     boundaries, which moves the loss by an ulp (the MLP tests above, whose stages fuse the same
-    either way, are bitwise through the same engine) and leaves up to ~1.6e-6 (~14 float32
-    ulps of the leaf's largest value) after 3 clipped steps. The attention key biases, whose
-    gradient is zero in exact arithmetic, are only checked to be noise on both sides.
+    either way, are bitwise through the same engine) and the other leaves by a few ulps (at most
+    3.9 EPS32 per step on one host; ~14 after 3 steps when the trajectories were chained). The
+    attention key biases, whose gradient is zero in exact arithmetic, are only checked to be
+    noise on both sides.
     """
     params, batch, loss_fn = transformer_setup(num_layers, schedule.num_stages, n_mb=4)
     opt = clipping_sgd()
@@ -160,11 +162,13 @@ def test_tutorial_block_close_per_leaf(num_layers, schedule):
         ref_leaves, ref_zero = _split_zero_gradient_leaves(ref)
         got_leaves, got_zero = _split_zero_gradient_leaves(got)
         assert len(ref_zero) == num_layers, what
-        assert_close_per_leaf(ref_leaves, got_leaves, rtol=5e-6, what=what)
-        assert_noise_sized(ref_zero, ref, 1e-6, f"reference {what}")
-        assert_noise_sized(got_zero, got, 1e-6, f"pipelined {what}")
+        assert_close_per_leaf(ref_leaves, got_leaves, rtol=reordered_sum_rtol(64), what=what)
+        noise = reordered_sum_rtol(64)  # what rounding leaves of sums that cancel exactly
+        assert_noise_sized(ref_zero, ref, noise, f"reference {what}")
+        assert_noise_sized(got_zero, got, noise, f"pipelined {what}")
     for k, (ref_loss, pp_loss) in enumerate(losses):
-        assert_close_per_leaf(ref_loss, pp_loss, rtol=1e-6, what=f"loss of step {k}")
+        rtol = reordered_sum_rtol(64, squared=False)
+        assert_close_per_leaf(ref_loss, pp_loss, rtol=rtol, what=f"loss of step {k}")
 
 
 def test_adamw_after_clipping_is_bitwise():

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compare import assert_bitwise, assert_close_per_leaf, assert_on_group
+from compare import assert_bitwise, assert_close_per_leaf, assert_on_group, reordered_sum_rtol
 from engine_models import mpmd_mesh, tied_mlp_setup
 
 import jaxpp_integration as jaxpp
@@ -97,8 +97,10 @@ def test_max_and_concat_on_other_axes(schedule):
     assert_bitwise(stats, got[1], "pipelined vs Python loop: ")
     # the sums fold in the same order, but in the loop each microbatch's loss and gradient came
     # out of one program, in the engine out of one per stage (and the tied embedding's two
-    # contributions are added in another program): ulps apart, each leaf within 1e-6 of itself
-    assert_close_per_leaf((loss, grads), (got[0], got[2]), rtol=1e-6, what="sums ")
+    # contributions are added in another program): each leaf within the bound for a sum over
+    # the step's 4 x 4 x 6 tokens in another order (tests/compare.py)
+    rtol = reordered_sum_rtol(4 * 4 * 6, squared=False)
+    assert_close_per_leaf((loss, grads), (got[0], got[2]), rtol=rtol, what="sums ")
     # the accumulators live where their values are made: h0 on the first stage's group, the
     # logits' statistics on the last stage's
     mesh = pp.compiled.mpmd_mesh

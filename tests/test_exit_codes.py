@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -91,6 +92,11 @@ def _paths(tmp: Path) -> dict:
             [f"base_output_directory={tmp}", "metrics_file=/proc/m.jsonl"],
             "path error: metrics_file=/proc/m.jsonl: cannot write in /proc (",
         ),
+        "jax_cache_under_proc": (
+            [f"base_output_directory={tmp}", "jax_cache_dir=/proc/nope/cache"],
+            "path error: jax_cache_dir=/proc/nope/cache: cannot create folder /proc/nope/cache "
+            "(No such file or directory, ENOENT); use a folder you can write to",
+        ),
         "load_parameters_file": (
             [f"base_output_directory={tmp}", f"load_parameters_path={afile}"],
             f"path error: load_parameters_path={afile}: {afile} is a file; give a run folder, "
@@ -100,7 +106,8 @@ def _paths(tmp: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "case", ["under_proc", "a_file", "metrics_under_proc", "load_parameters_file"]
+    "case",
+    ["under_proc", "a_file", "metrics_under_proc", "jax_cache_under_proc", "load_parameters_file"],
 )
 def test_train_path_errors_exit_2_before_compiling(tmp_path, capsys, no_compile, case):
     overrides, want = _paths(tmp_path)[case]
@@ -108,17 +115,24 @@ def test_train_path_errors_exit_2_before_compiling(tmp_path, capsys, no_compile,
     assert _one_line(capsys).startswith(want)
 
 
-@pytest.mark.parametrize("where", ["output", "checkpoints"])
+@pytest.mark.parametrize("where", ["output", "checkpoints", "tensorboard", "jax_cache_dir"])
 def test_train_read_only_folders_exit_2_before_compiling(tmp_path, capsys, no_compile, where):
-    """A read-only output folder, or a read-only checkpoints/ inside a writable one (before, it
-    was found at the first save, after the steps were spent)."""
-    target = tmp_path / "out" if where == "output" else tmp_path / "out" / "run" / "checkpoints"
+    """A read-only output folder, or a read-only folder the run writes inside a writable one:
+    checkpoints/ and tensorboard/ (before, found at the first save or event), `jax_cache_dir`
+    (found when the first compiled program is written)."""
+    run = tmp_path / "out" / "run"
+    target = {"output": tmp_path / "out", "jax_cache_dir": tmp_path / "cache"}.get(
+        where, run / where
+    )
+    argv = [*BASE, f"base_output_directory={tmp_path / 'out'}", "run_name=run"]
+    argv += ["enable_tensorboard=true", f"jax_cache_dir={tmp_path / 'cache'}"]
     with readonly(target):
-        code = train_lib.main([*BASE, f"base_output_directory={tmp_path / 'out'}", "run_name=run"])
+        code = train_lib.main(argv)
         line = _one_line(capsys)
     assert code == 2
-    folder = tmp_path / "out" / "run" / ("checkpoints" if where == "checkpoints" else "")
-    assert line.startswith(f"path error: base_output_directory={folder}".rstrip("/")), line
+    key = "jax_cache_dir" if where == "jax_cache_dir" else "base_output_directory"
+    shown = {"output": run, "jax_cache_dir": target}.get(where, target)
+    assert line.startswith(f"path error: {key}={shown}: "), line
     assert "Read-only file system, EROFS" in line or "Permission denied, EACCES" in line
 
 
@@ -127,43 +141,115 @@ def test_train_config_error_exits_2(tmp_path, capsys, no_compile):
     assert _one_line(capsys).startswith("config error: unknown config key 'num_decoder_layer'")
 
 
-def test_a_signal_while_compiling_stops_at_once(tmp_path, capsys, monkeypatch):
-    """SIGTERM before the first step (here: while the step compiles): the trainer stops at once,
-    says nothing new was saved and exits 143; no checkpoint is written."""
+class _MainThreadCompiles:
+    """Watches, from another thread, whether the main thread is inside XLA's compile call (a C++
+    call in which Python runs no signal handler): its stack holds JAX's `backend_compile_and_load`
+    frame. Sends SIGTERM once the first compile after `start()` is in flight, then records when
+    that compile returns and whether another one starts."""
 
-    def compiling(*args, **kwargs):
+    FRAME = "backend_compile_and_load"
+
+    def __init__(self):
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.sent = self.left = None
+        self.compiles_after = 0
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def compiling(self) -> bool:
+        frame = sys._current_frames().get(self._main)
+        while frame is not None:
+            if frame.f_code.co_name == self.FRAME:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _poll(self, until, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline or self.done.is_set():
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def _watch(self):
+        self.started.wait()
+        if not self._poll(self.compiling, 120):
+            return
+        self.sent = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)  # the trainer's handler ends this
-        raise AssertionError("the signal did not stop the compile")
+        self._poll(lambda: not self.compiling(), 600)
+        self.left = time.monotonic()
+        while not self.done.is_set():  # a later compile would be seen between polls
+            if self._poll(self.compiling, 600):
+                self.compiles_after += 1
+                self._poll(lambda: not self.compiling(), 600)
 
-    monkeypatch.setattr(train_lib, "build_trainer", compiling)
-    started = time.monotonic()
-    code = train_lib.main([*BASE, f"base_output_directory={tmp_path}", "run_name=run"])
-    assert code == 143 and time.monotonic() - started < 20
+    def join(self):
+        self.done.set()
+        self._thread.join(60)
+
+
+def test_a_signal_while_compiling_stops_after_the_compile_in_flight(
+    tmp_path, capsys, monkeypatch, no_compilation_cache
+):
+    """SIGTERM while XLA compiles the step (a real compile, the persistent cache off): Python
+    runs the trainer's handler only when that C++ call returns, so the trainer finishes the
+    compile in flight, starts no other, says nothing new was saved and exits 143; no checkpoint
+    is written. Bound on what follows the compile: 10 s (only Python unwinding and one printed
+    line remain; ms on a quiet machine, the margin is for a loaded CI box)."""
+    watcher = _MainThreadCompiles()
+    real_build = train_lib.build_trainer
+    built = []
+
+    def build_trainer(*args, **kwargs):
+        watcher.started.set()
+        built.append(real_build(*args, **kwargs))  # raises out of the compile in flight
+        return built[-1]
+
+    monkeypatch.setattr(train_lib, "build_trainer", build_trainer)
+    try:
+        code = train_lib.main([*BASE, f"base_output_directory={tmp_path}", "run_name=run"])
+        returned = time.monotonic()
+    finally:
+        watcher.join()
+    assert watcher.sent is not None, f"no {watcher.FRAME} frame seen: did JAX rename it?"
+    assert code == 143 and not built
     assert _one_line(capsys) == "SIGTERM: stopped before the first step; nothing new to save"
+    assert watcher.compiles_after == 0
+    assert returned - watcher.left < 10.0, returned - watcher.left
     assert not [p for p in (tmp_path / "run" / "checkpoints").glob("*") if p.name.isdigit()]
 
 
 def test_a_failing_metrics_write_is_one_io_line(tmp_path, capsys, monkeypatch):
-    """Writing metrics.jsonl fails (a full disk) at step 1: one `I/O error:` line naming the
-    file, the errno and the newest checkpoint on disk (none yet), exit 1."""
+    """Writing metrics.jsonl fails (a full disk) at step 2, after step 1 was checkpointed: one
+    `I/O error:` line naming the file, the errno and the newest checkpoint on disk (step 1, whose
+    background save the message waits for), exit 1."""
     import errno
 
     from MaxText import metrics
 
-    def full(self, record):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    written = []
 
-    monkeypatch.setattr(metrics.MetricsLogger, "write", full)
+    def full_at_step_2(self, record):
+        if record["step"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(record["step"])
+
+    monkeypatch.setattr(metrics.MetricsLogger, "write", full_at_step_2)
     argv = [*BASE, f"base_output_directory={tmp_path}", "run_name=run", "log_period=1"]
-    argv.append("enable_progress_bar=false")
+    argv += ["enable_progress_bar=false", "checkpoint_period=1"]
     assert train_lib.main(argv) == 1
-    line = _one_line(capsys)
-    assert line.startswith(
-        f"I/O error: writing metrics to {tmp_path / 'run' / 'metrics.jsonl'} failed: No space "
-        "left on device, ENOSPC; "
-    ), line
-    assert "checkpoint" in line, line
+    run = tmp_path / "run"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"checkpoint step 1 -> {run / 'checkpoints' / '1'} (async")
+    assert err[1:] == [
+        f"I/O error: writing metrics to {run / 'metrics.jsonl'} failed: No space left on device, "
+        f"ENOSPC; the newest checkpoint on disk is step 1 ({run / 'checkpoints' / '1'})"
+    ]
+    assert written == [1]
 
 
 # ------------------------------------------------------------------------------------------ plan

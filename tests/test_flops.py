@@ -27,6 +27,7 @@ def test_llama2_7b_by_hand():
     assert f.attention == 3 * 32 * 2 * 4096**3
     assert round(f.weights / 1e12, 3) == 162.376
     assert round(f.attention / 1e12, 3) == 13.194
+    # the hand count above, rounded to the 3 decimals written here
     assert f.total / c.num_devices / 1e12 == pytest.approx(175.570, abs=1e-3)
 
 

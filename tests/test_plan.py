@@ -133,7 +133,9 @@ def test_spmd_plan_counts_all_parameters_on_one_group():
 
 def test_command_exit_codes_and_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    args = [*BASE, "pipeline_parallelism=2", "num_pipeline_microbatches=4", "--hardware", "h100"]
+    # pp2_plan's model and split: the programs compiled are the ones that fixture compiled
+    args = [*BASE, "pipeline_parallelism=2", "num_pipeline_microbatches=4"]
+    args += ["pipeline_stage_layers=1,3", "--hardware", "h100"]
     assert plan.main([*args, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert set(data) == {

@@ -85,6 +85,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def data_workers(pid: int) -> list[int]:
+    """The trainer's child processes, found before it is signalled (so that "none alive
+    afterwards" means something): its 2 grain workers and multiprocessing's resource tracker."""
+    kids = children(pid)
+    assert len(kids) >= 3, kids
+    return kids
+
+
 def alive(pids: list[int]) -> list[int]:
     out = []
     for pid in pids:
@@ -131,7 +139,8 @@ class Trainer:
         _STARTED.append(self)
         self.lines: list[str] = []
         self._seen = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -149,8 +158,11 @@ class Trainer:
                 self._seen.wait(min(left, 1.0))
 
     def finish(self, timeout: float = 300) -> str:
+        """Every line the process and its children wrote: the reader ends at the pipe's end of
+        file, i.e. once every process holding the pipe (grain workers included) has exited."""
         self.proc.wait(timeout)
-        time.sleep(0.5)  # the reader drains the pipe
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), "a child of the trainer still holds its stdout"
         return "\n".join(self.lines)
 
 
@@ -183,8 +195,7 @@ def _no_noise(out: str) -> None:
 def test_sigterm_to_the_trainer_alone_saves_and_resumes_bitwise(shards, reference, tmp_path):
     trainer = Trainer(argv(shards, tmp_path, "steps=100000"))
     trainer.wait_for("step 5/")
-    kids = children(trainer.proc.pid)
-    assert len(kids) >= 3, kids  # 2 grain workers and the resource tracker
+    kids = data_workers(trainer.proc.pid)
     trainer.proc.send_signal(signal.SIGTERM)
     out = trainer.finish()
     assert trainer.proc.returncode == 143, out[-3000:]
@@ -199,17 +210,22 @@ def test_sigterm_to_the_trainer_alone_saves_and_resumes_bitwise(shards, referenc
     assert [got[s] for s in range(step + 1, 61)] == [reference[s] for s in range(step + 1, 61)]
 
 
-def test_sigint_to_the_process_group(shards, tmp_path):
-    """Ctrl-C reaches the trainer and its grain workers: the workers ignore it, the trainer
-    saves and stops them; nobody prints a traceback."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_process_group(shards, tmp_path, signum):
+    """Ctrl-C (SIGINT), or a scheduler's SIGTERM to the job's process group (as SLURM's scancel
+    and its time limit send it), reaches the trainer and its grain workers: the workers ignore
+    it, the trainer saves and stops them; nobody prints a traceback."""
     trainer = Trainer(argv(shards, tmp_path, "steps=100000"))
     trainer.wait_for("step 5/")
-    kids = children(trainer.proc.pid)
-    os.killpg(trainer.proc.pid, signal.SIGINT)
+    kids = data_workers(trainer.proc.pid)
+    os.killpg(trainer.proc.pid, signum)
     out = trainer.finish()
-    assert trainer.proc.returncode == 130, out[-3000:]
-    step = _stopped_line(out, "SIGINT", tmp_path, 130)
-    assert "SIGINT: saving after the step in flight, then stopping (Ctrl-C again to stop" in out
+    code = 128 + signum
+    assert trainer.proc.returncode == code, out[-3000:]
+    name = signal.Signals(signum).name
+    step = _stopped_line(out, name, tmp_path, code)
+    again = " (Ctrl-C again to stop" if signum == signal.SIGINT else ""
+    assert f"{name}: saving after the step in flight, then stopping{again}" in out
     _no_noise(out)
     assert alive(kids) == []
     assert steps_on_disk(tmp_path) == [step]
@@ -218,7 +234,7 @@ def test_sigint_to_the_process_group(shards, tmp_path):
 def test_a_second_sigint_stops_at_once_without_saving(shards, tmp_path):
     trainer = Trainer(argv(shards, tmp_path, "steps=100000", "checkpoint_period=3"))
     trainer.wait_for("checkpoint step 6 ->")
-    kids = children(trainer.proc.pid)
+    kids = data_workers(trainer.proc.pid)
     os.killpg(trainer.proc.pid, signal.SIGINT)
     trainer.wait_for("SIGINT: saving after the step in flight")
     os.killpg(trainer.proc.pid, signal.SIGINT)

@@ -58,29 +58,30 @@ def pipelined(tmp_path_factory):
 
 
 class _RecordingStep:
-    """The compiled step, recording `d<step>` at each dispatch (and a NaN loss at step `nan_at`);
+    """The compiled step, recording `d<step>` at each dispatch (and a `bad` loss, NaN unless
+    given, at step `nan_at`);
     every metrics dict carries its step for the fetch to record `f<step>`. Other attributes (the
     first step's `last_device_bytes`) are the compiled step's."""
 
-    def __init__(self, real, events: list, nan_at: int | None):
-        self.real, self.events, self.nan_at = real, events, nan_at
+    def __init__(self, real, events: list, nan_at: int | None, bad: float = float("nan")):
+        self.real, self.events, self.nan_at, self.bad = real, events, nan_at, bad
 
     def __call__(self, state, batch, **kwargs):
         state, metrics = self.real(state, batch, **kwargs)
         step = len([e for e in self.events if e.startswith("d")]) + 1
         self.events.append(f"d{step}")
         if step == self.nan_at:
-            metrics = {**metrics, "loss": np.float32("nan")}  # as read back: a NaN loss
+            metrics = {**metrics, "loss": np.float32(self.bad)}  # as read back: a NaN loss
         return state, {**metrics, "_step": np.int32(step)}
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
 
-def _instrumented(trainer, events: list, nan_at: int | None = None):
+def _instrumented(trainer, events: list, nan_at: int | None = None, bad: float = float("nan")):
     """The trainer with its step wrapped in a `_RecordingStep`."""
     return dataclasses.replace(
-        trainer, train_step=_RecordingStep(trainer.train_step, events, nan_at)
+        trainer, train_step=_RecordingStep(trainer.train_step, events, nan_at, bad)
     )
 
 
@@ -141,21 +142,24 @@ def test_several_processes_read_once_per_log_period(pipelined, tmp_path, fetches
 
 
 @pytest.mark.parametrize(
-    "nan_at, newest",
-    [(4, 2), (5, 4)],
-    ids=["at_a_checkpoint_step", "lagged_before_a_checkpoint_step"],
+    "nan_at, newest, bad",
+    [(4, 2, "nan"), (5, 4, "nan"), (5, 4, "inf")],
+    ids=["at_a_checkpoint_step", "lagged_before_a_checkpoint_step", "inf_lagged"],
 )
-def test_nan_names_its_step_and_is_never_saved(pipelined, tmp_path, fetches, nan_at, newest):
+def test_nan_names_its_step_and_is_never_saved(pipelined, tmp_path, fetches, nan_at, newest, bad):
     """checkpoint_period=2: a NaN at step 4 (a checkpoint step: read before saving) or at step 5
     (read one step late, after step 6 was dispatched: step 6, a checkpoint step and the last,
-    must not be saved either). The newest checkpoint on disk is the last before the NaN."""
+    must not be saved either); an Inf loss alike. The newest checkpoint on disk is the last
+    before the bad step."""
     config = _config(tmp_path, "checkpoint_period=2", "run_name=nan")
-    trainer = _instrumented(dataclasses.replace(pipelined, config=config), fetches, nan_at)
+    trainer = _instrumented(
+        dataclasses.replace(pipelined, config=config), fetches, nan_at, float(bad)
+    )
     with pytest.raises(TrainingDivergedError) as diverged:
         run(config, trainer, make_data(config))
     folder = Path(config.checkpoint_dir) / str(newest)
     assert str(diverged.value) == (
-        f"loss is nan at step {nan_at}; aborting (try a lower learning_rate or a "
+        f"loss is {bad} at step {nan_at}; aborting (try a lower learning_rate or a "
         f"gradient_clipping_threshold); the newest checkpoint on disk is step {newest} ({folder})"
     )
     assert _checkpoints(config) == [s for s in (2, 4) if s <= newest]

@@ -108,7 +108,8 @@ TOOLS = {
     ),
     "launch": (
         ["--num_processes", "1", "--", "configs/base.yml", "not_a_key=1"],
-        "[p0] config error: unknown config key 'not_a_key'",
+        # the launcher checks the config itself before starting any process: no [p0] prefix
+        "config error: unknown config key 'not_a_key'",
     ),
     "data.prepare": (["--input", "{tmp}/missing", "--out", "{tmp}/out"], "data error: "),
     "to_maxtext": (["configs/base.yml"], "config error: to_maxtext needs hf_model_path="),

@@ -19,13 +19,17 @@ When a write fails, orbax abandons its other writes; tensorstore finishes them l
 each to an event loop that is closed by then, one "Event loop is closed" traceback apiece (over a
 hundred for a small model) through `sys.unraisablehook`, and asyncio logs each abandoned write's
 exception when it is collected. `quiet_abandoned_writes` drops exactly the former and the manager
-silences the `asyncio` logger (unless `debug_tracebacks`), so the failure stays one line.
+silences the `asyncio` logger (unless `debug_tracebacks`), so the failure stays one line. A write
+that fails before orbax awaited its other writes (permission denied on the step's temporary
+folder) leaves those as coroutines never awaited, each a RuntimeWarning when the process exits:
+once a save has failed, `failed` ignores exactly that warning.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +95,9 @@ class PendingSave:
         if integrity.classify(e) is None:
             return e
         self.step = None
+        warnings.filterwarnings(  # orbax's writes abandoned with this save (module docstring)
+            "ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning
+        )
         return StorageError(
             f"saving checkpoint step {step} failed: "
             f"{integrity.describe_failure(e, self.directory / f'{step}.orbax-checkpoint-tmp')}; "

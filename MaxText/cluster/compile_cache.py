@@ -18,7 +18,8 @@ repeat into a read of the executable compiled first.
   JAX's cache is already configured (`JAX_COMPILATION_CACHE_DIR`), which is then used as is.
 
 Every program is cached whatever its compile time (JAX's default skips those under a second,
-which a pipeline's many small task programs mostly are).
+which a pipeline's many small task programs mostly are), and written whole (a temporary file
+renamed into place), so runs sharing a `jax_cache_dir` never read an entry still being written.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import shutil
 import tempfile
 
-from jaxpp_integration.jax_compat import reset_compilation_cache
+from jaxpp_integration.jax_compat import atomic_persistent_cache_writes, reset_compilation_cache
 
 _SETTINGS = (
     "jax_compilation_cache_dir",
@@ -52,6 +53,7 @@ def compilation_cache(directory: str = ""):
         directory = before["jax_compilation_cache_dir"]
     else:
         directory = temporary = tempfile.mkdtemp(prefix="maxtext_jax_cache_")
+    atomic_persistent_cache_writes()
     try:
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -19,7 +19,10 @@ From the compiled program they read, per pipeline group and per device:
 - the cost model the `auto` keys decide with (`Plan.stage_costs`, `Plan.baseline`).
 
 Temporaries come from the backend that compiles the plan: on a CPU host that is XLA:CPU, a proxy
-for the accelerator's compiler (usually larger: XLA:CPU reuses scratch buffers less). A `Plan` is
+for the accelerator's compiler (usually larger: XLA:CPU reuses scratch buffers less, and overlaps
+the layers of an unrolled stage). A plan for other hardware that does not fit by them is judged,
+group by group, by the per-layer bound where that is smaller (`judge_temporaries`,
+`MaxText.planning.layer_bound`). A `Plan` is
 data (`Plan.as_json`); `MaxText.planning.auto` decides the `auto` keys from plans, `MaxText.plan` is
 the command line.
 """
@@ -51,6 +54,7 @@ class GroupPlan:
     temp_bytes: int
     peak_bytes: int
     live_peak_bytes: int = 0  # peak without XLA temporaries (what device buffers show)
+    xla_temp_bytes: int = 0  # the compiler's own temporaries when the per-layer bound replaced them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +80,19 @@ class Plan:
     num_layers: int = 0  # decoder layers: a stage holds at least one, so stages <= layers
     gradients: dict | None = None  # `gradient_communication` of the compiled step
     moe: dict | None = None  # `moe_report` of a mixture-of-experts step
+    layer_bound: Any = None  # layer_bound.LayerBound when the plan was judged by it
 
     def as_json(self) -> dict[str, Any]:
         extra = {"gradients": self.gradients} if self.gradients is not None else {}
         if self.moe is not None:
             extra["moe"] = self.moe
+        if self.layer_bound is not None:
+            extra["temporaries"] = {
+                "layer_bound": dataclasses.asdict(self.layer_bound),
+                "layer_bound_bytes": self.layer_bound.total_bytes,
+                "compiler_temp_bytes": [g.xla_temp_bytes or g.temp_bytes for g in self.groups],
+            }
+        hidden = ("live_peak_bytes", "xla_temp_bytes")
         return {
             **extra,
             "fits": self.fits,
@@ -89,7 +101,7 @@ class Plan:
             "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
             "groups": [
-                {k: v for k, v in dataclasses.asdict(g).items() if k != "live_peak_bytes"}
+                {k: v for k, v in dataclasses.asdict(g).items() if k not in hidden}
                 for g in self.groups
             ],
             "predicted": dict(self.predicted),
@@ -267,11 +279,17 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
     costs = Costs(transfer=transfer_bytes / (hardware.link_gbps * GB), per_task=per_task or None)
     sim = simulate(schedule, config.num_pipeline_microbatches, costs)
     step_time = sim.makespan + max(outside)
+    outside_temps = [
+        max((t.temp_bytes for t in report.tasks_of(r) if t.kind != "loop"), default=0)
+        for r in range(n)
+    ]
+    groups, bound = judge_temporaries(config, hardware, groups, outside_temps)
     out = _finish(config, hardware, groups, schedule, step_time, sim.bubble)
     stage_costs = _stage_costs(config, schedule, per_task, groups, layer_params)
     baseline = _baseline(config, schedule, per_task, groups, stage_costs, sim, costs, outside)
     return dataclasses.replace(
         out,
+        layer_bound=bound,
         gradients=gradient_communication(compiled, groups),
         moe=moe_report(config, compiled, report, moe_s, step_time) if config.is_moe else None,
         stage_costs=stage_costs,
@@ -282,6 +300,38 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
         task_seconds=dict(per_task),
         transfer_s=costs.transfer,
     )
+
+
+def judge_temporaries(config, hardware: Hardware, groups: list, outside_temps: list):
+    """(groups, per-layer bound or None): when the plan does not fit by XLA:CPU's temporaries
+    and is for other hardware (a GPU preset planned on a CPU host), each group whose loop
+    tasks' temporaries exceed the per-layer bound (`layer_bound`, one bound per remat policy of
+    the stages, the largest) is judged by the bound there: its temporaries become the larger of
+    the bound and those of its tasks outside the loop (`outside_temps[g]`: before-loop work,
+    the once-per-step reductions, the optimizer, which the bound does not describe), its peak
+    the live peak plus those (at most the measured peak)."""
+    import jax
+
+    from MaxText.planning import layer_bound as lb
+
+    over = any(g.peak_bytes > hardware.memory_bytes for g in groups)
+    if hardware.compiler_bytes or jax.default_backend() != "cpu" or not over:
+        return groups, None
+    policies = sorted(set(config.stage_remat))
+    bounds = {p: lb.layer_bound(config, p) for p in policies}
+    bound = max(bounds.values(), key=lambda b: b.total_bytes)
+    judged = []
+    for g, outside in zip(groups, outside_temps):
+        temp = max(lb.judged_temp(g.temp_bytes, bound), outside)
+        if temp < g.temp_bytes:
+            g = dataclasses.replace(
+                g,
+                temp_bytes=int(temp),
+                peak_bytes=int(min(g.peak_bytes, g.live_peak_bytes + temp)),
+                xla_temp_bytes=g.temp_bytes,
+            )
+        judged.append(g)
+    return judged, bound
 
 
 def gradient_communication(compiled, groups) -> dict:
@@ -295,10 +345,13 @@ def gradient_communication(compiled, groups) -> dict:
     from jaxpp_integration.tools.collectives import program_collectives
 
     choice = compiled.reduction_choice
+    cache: dict = {}  # each program's HLO read once for both counts
     counts = program_collectives(
-        compiled, where=lambda code: code.kind == "loop" or code.name.startswith("reduce_")
+        compiled,
+        where=lambda code: code.kind == "loop" or code.name.startswith("reduce_"),
+        cache=cache,
     )
-    in_loop = program_collectives(compiled, where=lambda code: code.kind == "loop")
+    in_loop = program_collectives(compiled, where=lambda code: code.kind == "loop", cache=cache)
     kinds = ("all-reduce", "reduce-scatter")
     return {
         "in_loop_tasks": {

@@ -173,10 +173,12 @@ def with_policy_options(
     embedding's output, the logits) moves to its fixed bytes, so at the measured split and
     policies the bytes are the measured ones. XLA's temporaries differ by policy (a lighter
     policy may need more: XLA:CPU's for Llama 2 70B are 9 GB larger under `minimal` than under
-    `full`) and grow with a stage's layers (by ~2 GB a layer there): `temp_bytes[policy]` holds
-    those measured so far (a group's largest task), a policy not measured counts as the largest
-    of them, and a stage's option carries its group's measured temporaries plus the policy's
-    excess over the measured policy's, growing in proportion with more layers. Likewise XLA
+    `full`) and are taken to grow with a stage's layers (they did by ~2 GB a layer there before
+    issue 37; a scanned stage's are now flat, so this errs towards more memory):
+    `temp_bytes[policy]` holds those measured so far (a group's largest task), a policy not
+    measured counts as the largest of them, and a stage's option carries its group's measured
+    temporaries plus the policy's excess over the measured policy's, growing in proportion with
+    more layers. Likewise XLA
     may keep more per layer than the residuals JAX names: `activation_scale[policy]` is measured
     / predicted activation bytes of the plans compiled so far (`activation_scales`), the largest
     for a policy not measured."""

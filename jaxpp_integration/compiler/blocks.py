@@ -127,6 +127,7 @@ def cut_task(eqns, outvars, owned_vars, phase: Phase, layer_values) -> list[Piec
             _absorb_constraints_after(seg, segments[k + 1])
         else:
             _absorb_constraints_before(seg, segments[k - 1], segments, needed_outside)
+            _absorb_stack_transposes(seg, segments[k + 1], owned_vars)
     _add_constants(segments, eqns, consts, needed_outside)
     pieces = [p for p in segments if p.eqns]  # a single piece too: keyed like other blocks
     first = next(i for i, p in enumerate(pieces) if p.role == "layers")
@@ -151,6 +152,28 @@ def _absorb_constraints_after(block: Piece, after: Piece) -> None:
             after.eqns.remove(e)
             block.eqns.append(e)
             made.update(e.outvars)
+
+
+def _absorb_stack_transposes(block: Piece, after: Piece, owned_vars) -> None:
+    """Backward: a transpose [L, D, ...] -> [D, L, ...] of what the scan stacks (a per-layer
+    partial sum, `unreduced.py`) that gives an accumulated value and nothing else joins the
+    block, so the block adds each layer's slice into its accumulator inside the scan
+    (`scan_accumulate.py`) instead of stacking them all first."""
+    made = {o for e in block.eqns for o in e.outvars}
+    owned = {v for v in owned_vars if isinstance(v, Var)}
+    read_later = {v for e in after.eqns for v in e.invars if isinstance(v, Var)}
+    for e in list(after.eqns):
+        perm = tuple(e.params.get("permutation", ())) if e.primitive.name == "transpose" else ()
+        if (
+            perm[:2] == (1, 0)
+            and perm[2:] == tuple(range(2, len(perm)))
+            and isinstance(e.invars[0], Var)
+            and e.invars[0] in made
+            and e.outvars[0] in owned
+            and e.outvars[0] not in read_later
+        ):
+            after.eqns.remove(e)
+            block.eqns.append(e)
 
 
 def _absorb_constraints_before(block: Piece, before: Piece, segments, needed_outside) -> None:

@@ -18,11 +18,17 @@ split over the batch axes of a group (`data`, `fsdp`; `dcn_*` axes share those n
   over `expert` it is neither reduced nor scattered, while weights replicated over `expert`
   (attention, router, norms, embeddings) are deferred over it like over `data`; its partial
   over `data` keeps the expert split ([D, ..., E / ep, ...] per device, not every expert).
-  They fit when the step's inputs (parameters, optimizer state, batch) plus the full-size
-  partials, per device and averaged over the groups, take at most `AUTO_MEMORY_FRACTION` of the
-  device memory (the rest is left to activations and temporaries). The memory is
-  `AutoReduction.device_memory_bytes`, else the devices' `bytes_limit`; XLA:CPU reports none,
-  and then the scatter is chosen. The estimate reads shapes and specs only: no compile.
+  Inside a scanned stage "where it is made" is the backward layer scan's body: each layer's
+  gradient is reduce-scattered on its own (`Finish.per_layer`), so a stage holds one layer's
+  full-size gradient at a time, never its whole stack.
+  Full-size partials fit when what deferring needs per device — the step's inputs (parameters,
+  optimizer state, batch), the full-size partials, and the temporaries deferring creates: the
+  once-per-step reduction's full-size sum and one layer's full-size partials in the backward
+  (a whole output's for a gradient no scan stacks) — averaged over the groups, takes at most
+  `AUTO_MEMORY_FRACTION` of the device memory (the rest is left to activations and the other
+  temporaries). The memory is `AutoReduction.device_memory_bytes`, else the devices'
+  `bytes_limit`; XLA:CPU reports none, and then the scatter is chosen. The estimate reads
+  shapes and specs only: no compile.
 
 Also the layouts around the loop: `reduce_specs` (each deferred sum leaves `reduce_r` laid out
 like its weight) and `gather_specs` (`pipeline_fsdp_ag_once`: what each fsdp weight is gathered
@@ -41,7 +47,8 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import PartitionSpec
 
 from jaxpp_integration.compiler.placement import is_var, split_at_loop
-from jaxpp_integration.compiler.unreduced import defer_reductions, seed_rows
+from jaxpp_integration.compiler.rows import seed_rows
+from jaxpp_integration.compiler.unreduced import Finish, defer_reductions, stacking_scan
 from jaxpp_integration.frontend.reductions import Add
 
 GRADIENT_REDUCTIONS = ("auto", "step", "microbatch")
@@ -67,6 +74,7 @@ class ReductionChoice:
     scattered_axes: tuple = ()  # reduce-scattered into the weight's shard every microbatch
     state_bytes: float = 0.0  # step inputs per device, averaged over the groups
     full_partial_bytes: float = 0.0  # full-size partials over sharded axes, per device likewise
+    temp_bytes: float = 0.0  # temporaries deferring over sharded axes creates, likewise
     memory_bytes: float | None = None  # per device, what "auto" decided against
 
     def describe(self) -> str:
@@ -87,7 +95,10 @@ class ReductionChoice:
         line = f"{head}: sums {'; '.join(parts)}"
         if self.mode != "auto" or not self.full_partial_bytes:
             return line
-        need = f"{_gb(self.state_bytes)} state + {_gb(self.full_partial_bytes)} full-size partials"
+        need = (
+            f"{_gb(self.state_bytes)} state + {_gb(self.full_partial_bytes)} full-size partials "
+            f"+ {_gb(self.temp_bytes)} temporaries"
+        )
         if self.memory_bytes is None:
             return f"{line} (device memory unknown; deferring would need {need} per device)"
         budget = f"{AUTO_MEMORY_FRACTION:g} x {_gb(self.memory_bytes)}"
@@ -152,15 +163,15 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
     if name == "auto" and any(sharded):
         memory = mode.device_memory_bytes if isinstance(mode, AutoReduction) else None
         memory = memory or device_memory_bytes(mpmd_mesh)
-        state, full = _estimate(jaxpr, in_specs, loop_eqn, partners, sharded, row_axes, mpmd_mesh)
-        fits = memory is not None and state + full <= AUTO_MEMORY_FRACTION * memory
+        state, full, temp = _estimate(jaxpr, in_specs, loop_eqn, partners, sharded, mpmd_mesh)
+        fits = memory is not None and state + full + temp <= AUTO_MEMORY_FRACTION * memory
         scattered = () if fits else tuple(dict.fromkeys(a for s in sharded for a in s))
         kept = tuple(a for a in row_axes if a not in scattered)
-        choice = ReductionChoice(name, kept, scattered, state, full, memory)
+        choice = ReductionChoice(name, kept, scattered, state, full, temp, memory)
         if not fits:
             lowering = mpmd_mesh.lowering_mesh()
             finish = {
-                j: _scatter_fn(partners[j], axes, lowering, mesh_shape)
+                j: _scatter(partners[j], axes, lowering, mesh_shape)
                 for j, axes in enumerate(sharded)
                 if axes
             }
@@ -191,6 +202,16 @@ def plan_reductions(jaxpr, in_specs: list, mpmd_mesh, mode) -> ReductionPlan:
 
 
 # ------------------------------------------------------------------ the scatter
+
+
+def _scatter(spec: PartitionSpec, sharded: tuple, mesh, mesh_shape) -> Finish:
+    """The reduce-scatter over `sharded` into `spec`'s layout, for the whole output and, when
+    its leading (layer) dimension is not split over those axes, for one layer's slice."""
+    entries = tuple(spec)
+    per_layer = None
+    if not (entries and _names(entries[0]) & set(sharded)):
+        per_layer = _scatter_fn(PartitionSpec(*entries[1:]), sharded, mesh, mesh_shape)
+    return Finish(_scatter_fn(spec, sharded, mesh, mesh_shape), per_layer)
 
 
 def _scatter_fn(spec: PartitionSpec, sharded: tuple, mesh, mesh_shape):
@@ -251,18 +272,26 @@ def device_memory_bytes(mpmd_mesh) -> float | None:
     return min(limits) if limits else None
 
 
-def _estimate(jaxpr, in_specs, loop_eqn, partners, sharded, row_axes, mpmd_mesh):
-    """(step inputs, full-size partials over sharded axes) in bytes per device, averaged over
-    the groups."""
+def _estimate(jaxpr, in_specs, loop_eqn, partners, sharded, mpmd_mesh):
+    """(step inputs, full-size partials over sharded axes, the temporaries deferring them
+    creates) in bytes per device, averaged over the groups. The temporaries: the reduction
+    after the loop makes each stage's full-size sum once (as large as its partials), and the
+    backward makes one layer's full-size partials at a time for a gradient a layer scan stacks
+    (its whole partial for any other)."""
     mesh_shape = dict(mpmd_mesh.jax_mesh.shape)
     groups = mpmd_mesh.mpmd_dim
+    body = loop_eqn.params["body"].jaxpr
+    row_axes = {a for s in sharded for a in s}
     state = sum(_bytes(v.aval, spec, mesh_shape) for v, spec in zip(jaxpr.invars, in_specs))
-    full = sum(
-        _bytes(v.aval, partners[j], mesh_shape, skip=row_axes)
-        for j, v in enumerate(loop_eqn.outvars)
-        if sharded[j]
-    )
-    return state / groups, full / groups
+    full = layer = 0.0
+    for j, v in enumerate(loop_eqn.outvars):
+        if not sharded[j]:
+            continue
+        nbytes = _bytes(v.aval, partners[j], mesh_shape, skip=row_axes)
+        full += nbytes
+        scan = stacking_scan(body, body.outvars[j]) if is_var(body.outvars[j]) else None
+        layer += nbytes / scan[0].params["length"] if scan is not None else nbytes
+    return state / groups, full / groups, (full + layer) / groups
 
 
 def _bytes(aval, spec, mesh_shape, skip=()) -> float:

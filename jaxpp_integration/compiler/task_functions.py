@@ -18,6 +18,7 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpp_integration.compiler.program import Program, Run, TaskCode
+from jaxpp_integration.compiler.scan_accumulate import accumulating_function
 from jaxpp_integration.frontend.treduce import microbatch
 
 
@@ -86,22 +87,8 @@ def task_function(code: TaskCode, eqns):
         return _eqns_fn(eqns, code.invars, code.outvars)
 
     owned = [v for _, v in code.acc_ops]
-    run = _eqns_fn(eqns, code.invars, list(code.outvars) + owned)
-    n_in = len(code.invars)
-    n_out = len(code.outvars)
-    slices = set(code.mb_slices)
     ops = [op for op, _ in code.acc_ops]
-    axis = code.mb_axis
-
-    def loop(*args):
-        index = args[-1]
-        ins = [microbatch(x, index, axis) if i in slices else x for i, x in enumerate(args[:n_in])]
-        accs = args[n_in:-1]
-        outs = run(*ins)
-        values, owned_vals = outs[:n_out], outs[n_out:]
-        return list(values) + [op.update(a, v, index) for op, a, v in zip(ops, accs, owned_vals)]
-
-    return loop
+    return _loop_function(eqns, code.invars, code.outvars, owned, ops, code)
 
 
 def piece_function(code: TaskCode, piece, eqns):
@@ -112,20 +99,30 @@ def piece_function(code: TaskCode, piece, eqns):
     A part of after-loop work takes its inputs only."""
     if code.kind != "loop":
         return _eqns_fn(eqns, piece.invars, piece.outvars)
-    mb_vars = {code.invars[i] for i in code.mb_slices}
     ops = [code.acc_ops[k][0] for k in piece.owned]
     owned = [code.acc_ops[k][1] for k in piece.owned]
-    run = _eqns_fn(eqns, piece.invars, list(piece.outvars) + owned)
-    n_in, n_out = len(piece.invars), len(piece.outvars)
-    slices = {i for i, v in enumerate(piece.invars) if v in mb_vars}
+    return _loop_function(eqns, piece.invars, piece.outvars, owned, ops, code)
+
+
+def _loop_function(eqns, invars, outvars, owned, ops, code: TaskCode):
+    """fn(inputs..., accumulators..., microbatch index) of a loop task (or piece): it slices
+    the microbatch inputs among `invars` and updates its accumulators, inside the layer scan
+    that stacks a value where it can (`scan_accumulate`), else after its equations."""
+    mb_vars = {code.invars[i] for i in code.mb_slices}
+    slices = {i for i, v in enumerate(invars) if v in mb_vars}
+    n_in, n_out = len(invars), len(outvars)
     axis = code.mb_axis
+    inside = accumulating_function(eqns, invars, outvars, owned, ops)
+    run = _eqns_fn(eqns, invars, list(outvars) + list(owned)) if inside is None else None
 
     def loop(*args):
         index = args[-1]
         ins = [microbatch(x, index, axis) if i in slices else x for i, x in enumerate(args[:n_in])]
+        accs = args[n_in:-1]
+        if inside is not None:
+            return inside(ins, accs, index)
         outs = run(*ins)
         values, owned_vals = outs[:n_out], outs[n_out:]
-        accs = args[n_in:-1]
         return list(values) + [op.update(a, v, index) for op, a, v in zip(ops, accs, owned_vals)]
 
     return loop

@@ -28,22 +28,26 @@ A `shard_map` runs as is; its outputs' rows are read off its out_specs, so a sum
 a dimension its devices split (a MoE block's per-device weight-gradient partials,
 `MaxText/model/moe.py`) is deferred like any other.
 
-`finish` hooks let the caller transform an output right where it is made (`reduction_plan`:
-the per-microbatch reduce-scatter over fsdp of `gradient_reduction="auto"`). The same row
-tracking answers the program builder's sharding questions (`seed_rows`, used by
-`reduction_plan`).
+`finish` hooks (`Finish`) let the caller transform an output right where it is made
+(`reduction_plan`: the per-microbatch reduce-scatter over fsdp of `gradient_reduction="auto"`);
+for an output a scan stacks (a layer stack's weight gradient), "where it is made" is the scan's
+body: the hook's `per_layer` form runs there on each trip's slice, so one layer's full-size
+partial exists at a time, never the stack. Which dimension holds the rows: `rows.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
+from jaxpp_integration.compiler.placement import is_var
+from jaxpp_integration.compiler.rows import RowDim, propagate_rows
 from jaxpp_integration.frontend.marker import is_marker
 from jaxpp_integration.frontend.reductions import Add
 from jaxpp_integration.jax_compat import eqn_source_context
@@ -75,19 +79,23 @@ _SHAPE_LINEAR = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class RowDim:
-    """Dimension `dim` of a value holds rows spread over mesh `axes` (D = their size product)."""
-
-    dim: int
-    axes: tuple
-
-
 @dataclasses.dataclass
 class _V:
     val: object
     row: RowDim | None = None
     partial: tuple | None = None  # data axes of a partial sum stored as [D, *shape]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """What to do with a partial output right where it is made (see `defer_reductions`):
+    `whole(value [D, *shape], axes) -> (value, axes or None)` on the output as made;
+    `per_layer`, the same for one trip's slice [D, *shape[1:]] of an output a `scan` stacks
+    (a per-layer weight gradient), applied inside the scan's body, so that only one slice at a
+    time exists in its [D, ...] form; None: `whole` only."""
+
+    whole: Callable
+    per_layer: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -98,49 +106,25 @@ class Deferred:
     partial_axes: list
 
 
-def seed_rows(jaxpr, in_specs: list, before_eqns: list, xs_vars: list, axis: int) -> list:
-    """The row dimension of each microbatch (per-microbatch leaf of `xs_vars`), found from the
-    step inputs' specs through the equations before the loop; None where unknown."""
-    rows: dict = {}
-    for v, spec in zip(jaxpr.invars, in_specs):
-        for d, entry in enumerate(tuple(spec)):
-            if entry is not None:
-                rows[v] = RowDim(d, tuple(entry) if isinstance(entry, tuple) else (entry,))
-                break
-    for eqn in before_eqns:
-        ins = [rows.get(v) if _is_var(v) else None for v in eqn.invars]
-        if not any(ins):
-            continue
-        for o, r in zip(eqn.outvars, _propagate(eqn.primitive.name, eqn.params, eqn, ins)):
-            if r is not None:
-                rows[o] = r
-    out = []
-    for v in xs_vars:
-        r = rows.get(v) if _is_var(v) else None
-        if r is None or r.dim == axis:
-            out.append(None)
-        else:
-            out.append(RowDim(r.dim - (r.dim > axis), r.axes))
-    return out
-
-
 def defer_reductions(
     body: ClosedJaxpr, n_consts: int, mb_rows: list, ops, mesh_shape, finish=None
 ) -> Deferred:
     """Rewrites `body` (invars = consts, microbatch leaves) so that `Add` outputs summed over
     rows are per-device partial sums [D, *shape]. `mesh_shape` maps axis name -> size.
 
-    `finish` ({output index: fn}) transforms a partial output right where it is made (in the
-    same stage as its last contribution): `fn(value [D, *shape], axes) -> (value, axes or
-    None)`, e.g. a reduce-scatter over some of the axes every microbatch."""
+    `finish` ({output index: `Finish`}) transforms a partial output right where it is made
+    (in the same stage as its last contribution), e.g. a reduce-scatter over some of the axes
+    every microbatch; an output stacked by a `scan` (directly, or through inlined calls) and
+    read by nothing else gets `per_layer` applied inside that scan's body, once per trip."""
     jaxpr = body.jaxpr
     region = _regions(jaxpr)
     users = _user_regions(jaxpr, region)
     finish = finish or {}
     finish_at: dict = {}
     for j, v in enumerate(jaxpr.outvars):
-        if j in finish and _is_var(v):
+        if j in finish and is_var(v):
             finish_at.setdefault(v, []).append(j)
+    per_trip = _per_trip_finish(jaxpr, finish)
 
     def run(*args):
         env: dict = {}
@@ -149,7 +133,7 @@ def defer_reductions(
         def on_output(o, x):
             for j in finish_at.get(o, ()):
                 if x.partial is not None:
-                    val, axes = finish[j](x.val, x.partial)
+                    val, axes = finish[j].whole(x.val, x.partial)
                     finals[j] = _V(val, None, axes)
 
         for i, (v, a) in enumerate(zip(jaxpr.invars, args)):
@@ -157,7 +141,14 @@ def defer_reductions(
             env[v] = _V(a, row)
         for v, c in zip(jaxpr.constvars, body.consts):
             env[v] = _V(c)
-        _eval_eqns(jaxpr.eqns, env, mesh_shape, region, users, on_output if finish_at else None)
+        _eval_eqns(
+            jaxpr.eqns,
+            env,
+            _Ctx(mesh_shape, per_trip),
+            region,
+            users,
+            on_output if finish_at else None,
+        )
         result = []
         for j, (v, op) in enumerate(zip(jaxpr.outvars, ops)):
             x = finals.get(j) or (_read(env, v) if not isinstance(v, Literal) else _V(v.val))
@@ -204,15 +195,62 @@ def _user_regions(jaxpr, region) -> dict:
     return users
 
 
-def _eval_eqns(eqns, env, mesh_shape, region=None, users=None, on_output=None):
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    mesh_shape: dict  # axis name -> size
+    per_trip: dict  # id(scan equation) -> {ys position: fn applied to each trip's slice}
+
+
+def _per_trip_finish(jaxpr, finish: dict) -> dict:
+    """`_Ctx.per_trip` for the outputs of `finish` that a scan stacks and nothing else reads."""
+    out: dict = {}
+    reads: dict = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if is_var(v):
+                reads[v] = reads.get(v, 0) + 1
+    for j, f in finish.items():
+        v = jaxpr.outvars[j]
+        if f.per_layer is None or not is_var(v) or reads.get(v) or jaxpr.outvars.count(v) > 1:
+            continue
+        found = stacking_scan(jaxpr, v)
+        if found is not None:
+            out.setdefault(id(found[0]), {})[found[1]] = f.per_layer
+    return out
+
+
+def stacking_scan(jaxpr, v):
+    """(scan equation, ys position) of the scan whose stacked output `v` is, looking into
+    inlined calls (whose output nothing else reads); None if another equation makes it."""
+    for eqn in jaxpr.eqns:
+        if v not in eqn.outvars:
+            continue
+        k = eqn.outvars.index(v)
+        name = eqn.primitive.name
+        if name == "scan":
+            nk = eqn.params["num_carry"]
+            return (eqn, k - nk) if k >= nk else None
+        if name in _INLINE and _INLINE[name] in eqn.params:
+            sub = eqn.params[_INLINE[name]]
+            inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+            w = inner.outvars[k]
+            inner_reads = sum(1 for e in inner.eqns for u in e.invars if u is w)
+            if is_var(w) and not inner_reads and inner.outvars.count(w) == 1:
+                return stacking_scan(inner, w)
+        return None
+    return None
+
+
+def _eval_eqns(eqns, env, ctx: _Ctx, region=None, users=None, on_output=None):
+    mesh_shape = ctx.mesh_shape
     for eqn in eqns:
         ins = [_read(env, v) for v in eqn.invars]
         name = eqn.primitive.name
         with eqn_source_context(eqn):
             if name in _INLINE and _INLINE[name] in eqn.params:
-                outs = _inline(eqn, ins, mesh_shape)
+                outs = _inline(eqn, ins, ctx)
             elif name == "scan":
-                outs = _scan(eqn, ins, mesh_shape)
+                outs = _scan(eqn, ins, ctx)
             else:
                 outs = _apply(eqn, ins, mesh_shape)
         if region is not None:  # a partial read by another stage is reduced here, where made
@@ -227,7 +265,7 @@ def _eval_eqns(eqns, env, mesh_shape, region=None, users=None, on_output=None):
                 on_output(o, x)
 
 
-def _inline(eqn, ins, mesh_shape):
+def _inline(eqn, ins, ctx: _Ctx):
     sub = eqn.params[_INLINE[eqn.primitive.name]]
     closed = sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, [])
     inner = closed.jaxpr
@@ -236,14 +274,14 @@ def _inline(eqn, ins, mesh_shape):
         env[v] = x
     for v, c in zip(inner.constvars, closed.consts):
         env[v] = _V(c)
-    _eval_eqns(inner.eqns, env, mesh_shape)
+    _eval_eqns(inner.eqns, env, ctx)
     return [_read(env, v) for v in inner.outvars]
 
 
 # ------------------------------------------------------------------ scans
 
 
-def _scan_body(closed, n_consts: int, flags: list, consts: list, carry: list, xs: list, mesh_shape):
+def _scan_body(closed, n_consts: int, flags: list, consts: list, carry: list, xs: list, ctx):
     """The scan body evaluated on `_V`s (partial carries per `flags`): its outputs as `_V`s."""
     inner = closed.jaxpr
     env: dict = {}
@@ -257,17 +295,20 @@ def _scan_body(closed, n_consts: int, flags: list, consts: list, carry: list, xs
             env[v] = carry[i - n_consts]
         else:
             env[v] = xs[i - k]
-    _eval_eqns(inner.eqns, env, mesh_shape)
+    _eval_eqns(inner.eqns, env, ctx)
     return [_read(env, v) for v in inner.outvars]
 
 
-def _scan(eqn, ins, mesh_shape):
+def _scan(eqn, ins, ctx: _Ctx):
     """A `scan` (a scanned layer stack, forward or backward) whose body sums over rows: the body
     is evaluated like the loop body, so a per-layer weight gradient comes out of the backward
     scan as a partial sum [D, ...] per trip, stacked [L, D, ...] and returned as [D, L, ...]
     (a transpose, local to each device). A carry that comes out partial (a gradient summed over
     trips) is carried partial from the start; inputs that are partial sums are read per trip
-    as such. No communication inside the loop for what is deferred."""
+    as such. No communication inside the loop for what is deferred, except what
+    `ctx.per_trip` asks for this scan's outputs (e.g. each layer's gradient reduce-scattered
+    over fsdp inside the body: one layer's full-size gradient at a time)."""
+    mesh_shape = ctx.mesh_shape
     p = eqn.params
     closed, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
     if not any(x.row is not None or x.partial is not None for x in ins):
@@ -307,7 +348,7 @@ def _scan(eqn, ins, mesh_shape):
                 [_V(v, x.row, x.partial) for v, x in zip(c_vals, consts)],
                 inner_carry(c_carry, flags),
                 inner_xs(c_xs),
-                mesh_shape,
+                ctx,
             )
             probe[:] = outs
             return [o.val for o in outs]
@@ -336,14 +377,24 @@ def _scan(eqn, ins, mesh_shape):
         ]
         return [_V(o, r) for o, r in zip(outs, rows)]
 
+    per_trip = ctx.per_trip.get(id(eqn), {})
+    y_axes = list(y_partial)  # what each stacked output is partial over after `per_trip`
+
     def body(carry, x_vals):
         outs = _scan_body(
-            closed, nc, flags, consts, inner_carry(carry, flags), inner_xs(x_vals), mesh_shape
+            closed, nc, flags, consts, inner_carry(carry, flags), inner_xs(x_vals), ctx
         )
         new_carry = [
             _as_partial(o, f, mesh_shape).val if f else o.val for o, f in zip(outs[:nk], flags)
         ]
-        return new_carry, [o.val for o in outs[nk:]]
+        ys = []
+        for k, o in enumerate(outs[nk:]):
+            if k in per_trip and o.partial:
+                val, y_axes[k] = per_trip[k](o.val, o.partial)
+                ys.append(val)
+            else:
+                ys.append(o.val)
+        return new_carry, ys
 
     init_vals = [_as_partial(x, f, mesh_shape).val if f else x.val for x, f in zip(init, flags)]
     xs_vals = [x.val if x.partial is None else jnp.moveaxis(x.val, 0, 1) for x in xs]
@@ -356,7 +407,7 @@ def _scan(eqn, ins, mesh_shape):
         unroll=p["unroll"],
     )
     out = [_V(v, None if f else r, f) for v, f, r in zip(carry_out, flags, out_rows[:nk])]
-    for y, part, r in zip(ys, y_partial, out_rows[nk:]):
+    for y, part, r in zip(ys, y_axes, out_rows[nk:]):
         if part:
             out.append(_V(jnp.moveaxis(y, 1, 0), None, part))
         else:
@@ -396,82 +447,8 @@ def _apply(eqn, ins, mesh_shape):
     if split is not None:
         return split
     outs = _bind(eqn, [x.val for x in ins])
-    rows = _propagate(name, eqn.params, eqn, [x.row for x in ins])
+    rows = propagate_rows(name, eqn.params, eqn, [x.row for x in ins])
     return [_V(o, r) for o, r in zip(outs, rows)]
-
-
-# ------------------------------------------------------------------ row tracking
-
-
-def _propagate(name, params, eqn, rows) -> list:
-    """Row dimension of each output, given those of the inputs (None = unknown)."""
-    in_avals = [v.aval for v in eqn.invars]
-    out_avals = [v.aval for v in eqn.outvars]
-    if name == "shard_map":  # each output is split as its spec says (e.g. a MoE block's
-        return [_spec_row(spec) for spec in params["out_specs"]]  # per-device weight partials)
-    k = next((i for i, r in enumerate(rows) if r is not None), None)
-    if k is None:
-        return [None] * len(out_avals)
-    r = rows[k]
-    shape = tuple(getattr(in_avals[k], "shape", ()))
-    if name == "transpose":
-        return [RowDim(tuple(params["permutation"]).index(r.dim), r.axes)]
-    if name == "broadcast_in_dim":
-        return [RowDim(params["broadcast_dimensions"][r.dim], r.axes)] if k == 0 else [None]
-    if name == "reshape":
-        return [_reshape_row(r, shape, tuple(out_avals[0].shape))]
-    if name.startswith("reduce_") or name in ("argmax", "argmin"):
-        axes = tuple(params.get("axes", ()))
-        if r.dim in axes:
-            return [None] * len(out_avals)
-        return [RowDim(r.dim - sum(a < r.dim for a in axes), r.axes)] * len(out_avals)
-    if name == "squeeze":
-        dims = tuple(params["dimensions"])
-        return [None] if r.dim in dims else [RowDim(r.dim - sum(a < r.dim for a in dims), r.axes)]
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
-        contract, batch = (lc, lb) if k == 0 else (rc, rb)
-        if r.dim in contract:
-            return [None]
-        if r.dim in batch:
-            return [RowDim(list(batch).index(r.dim), r.axes)]
-        nb = len(lb)
-        free_l = [d for d in range(len(in_avals[0].shape)) if d not in lc and d not in lb]
-        free_r = [d for d in range(len(in_avals[1].shape)) if d not in rc and d not in rb]
-        if k == 0:
-            return [RowDim(nb + free_l.index(r.dim), r.axes)]
-        return [RowDim(nb + len(free_l) + free_r.index(r.dim), r.axes)]
-    # elementwise and the rest: the same dimension if an output keeps its size there
-    n = shape[r.dim] if r.dim < len(shape) else None
-    out = []
-    for a in out_avals:
-        s = tuple(getattr(a, "shape", ()))
-        out.append(r if len(s) == len(shape) and r.dim < len(s) and s[r.dim] == n else None)
-    return out
-
-
-def _spec_row(spec) -> RowDim | None:
-    """The first dimension a PartitionSpec splits, as rows over its axes (as `seed_rows` reads
-    the step inputs' specs)."""
-    for d, entry in enumerate(tuple(spec)):
-        if entry:
-            return RowDim(d, tuple(entry) if isinstance(entry, tuple) else (entry,))
-    return None
-
-
-def _reshape_row(r: RowDim, src: tuple, dst: tuple):
-    pre = math.prod(src[: r.dim])
-    acc = 1
-    for j, size in enumerate(dst):
-        if acc == pre:
-            n = src[r.dim]
-            if size == n or size % n == 0 or n % size == 0:
-                return RowDim(j, r.axes)
-            return None
-        acc *= size
-        if acc > pre:
-            return None
-    return None
 
 
 # ------------------------------------------------------------------ splitting reductions
@@ -608,7 +585,3 @@ def _apply_partial(eqn, ins):
         zero = isinstance(eqn.invars[1], Literal) and eqn.invars[1].val == 0
         return vmapped() if parts == [True, False] and zero else None
     return None
-
-
-def _is_var(v) -> bool:
-    return isinstance(v, Var) and not isinstance(v, Literal)

@@ -48,6 +48,8 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"\bbranch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+# substrings a line must hold for `_OP` / `_CALLEE` / `_BRANCHES` to match (cheap tests first)
+_CALL_KEYS = ("body=", "condition=", "calls=", "to_apply=", "_computation=", "computations=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +140,11 @@ def collective_ops(hlo_text: str) -> list:
             raise ValueError(f"HLO computations call each other too deeply at {name}")
         found = []
         for line in comps.get(name, ()):
-            m = _OP.search(line)
+            m = _OP.search(line) if any(k in line for k in KINDS) else None
             if m is not None:
                 found.append(CollectiveOp(m.group("kind"), _op_bytes(m), 1, replica_groups(line)))
+                continue
+            if not any(k in line for k in _CALL_KEYS):
                 continue
             for callee, times in _callees(line):
                 found += [
@@ -265,15 +269,16 @@ def axes_key(axes: tuple) -> str:
     return "+".join(axes)
 
 
-def program_collectives(compiled, where=None) -> dict:
+def program_collectives(compiled, where=None, cache: dict | None = None) -> dict:
     """Per step of a `CompiledMpmdFunction`: {kind: {"launches", "bytes"}} summed over every task
     instance of every group, plus "transfer" for values moved between groups; "by_axis":
     {kind: {axes: {"launches", "bytes"}}} with the mesh axes each collective spans
     (`axes_key`); "by_group": {group: {kind: {"launches", "bytes"}}} of the collectives (not
     transfers) each group's devices run; "by_task": {task name: {kind: launches per instance}}.
-    `where(task code)` keeps only some tasks (e.g. the loop's and the `reduce_r` ones)."""
+    `where(task code)` keeps only some tasks (e.g. the loop's and the `reduce_r` ones).
+    `cache`: a dict shared by calls on the same compiled step (each program is read once)."""
     prog = compiled.program
-    per_exe: dict = {}
+    per_exe: dict = {} if cache is None else cache
     totals = {k: {"launches": 0, "bytes": 0} for k in (*KINDS, "transfer")}
     by_axis: dict = {}
     by_group: dict = {}
@@ -307,18 +312,26 @@ def program_collectives(compiled, where=None) -> dict:
 
 
 def _task_ops(compiled, idx: int, cache: dict) -> list:
-    """[(CollectiveOp, axes)] of instruction `idx`'s executable (read once per executable)."""
+    """[(CollectiveOp, axes)] of instruction `idx`'s executable. Each module's text is read
+    once, and each distinct text parsed once (a program loaded on several groups has one text:
+    replica groups name logical devices); the axes are its group's."""
     exe = compiled.executables[idx]
     ins = compiled.program.instrs[idx]
     key = (id(exe), ins.code.rank)
     if key not in cache:
         mesh = compiled.mpmd_mesh.unstack[ins.code.rank]
         modules = getattr(exe, "executables", [exe])  # a task run as pieces: each its own module
-        cache[key] = [
-            (op, group_axes(op.groups, mesh))
-            for module in modules
-            for op in collective_ops(module.as_text())
-        ]
+        texts = cache.setdefault("texts", {})
+        parsed = cache.setdefault("parsed", {})
+        found = []
+        for module in modules:
+            if id(module) not in texts:
+                texts[id(module)] = (module, module.as_text())  # the module kept: its id stays its
+            text = texts[id(module)][1]
+            if text not in parsed:
+                parsed[text] = collective_ops(text)
+            found += [(op, group_axes(op.groups, mesh)) for op in parsed[text]]
+        cache[key] = found
     return cache[key]
 
 
