@@ -61,7 +61,8 @@ def test_config_json_refusals(llama_folder, tmp_path, capsys):
         f"{where(falcon)} architectures=['FalconForCausalLM'] is not supported: only "
         "LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral), "
         "Qwen2ForCausalLM (model_type qwen2), Qwen3ForCausalLM (model_type qwen3), "
-        "Gemma2ForCausalLM (model_type gemma2) convert"
+        "Gemma2ForCausalLM (model_type gemma2), MixtralForCausalLM (model_type mixtral), "
+        "Qwen3MoeForCausalLM (model_type qwen3_moe) convert"
     )
     qwen2 = _variant(tmp_path, "qwen2", {**cfg, "architectures": ["Qwen2ForCausalLM"],
                      "model_type": "qwen2"}, tensors, use_sliding_window=True)  # fmt: skip

@@ -6,10 +6,11 @@ pipeline_parallelism=1 x ici_expert_parallelism=4 and at 4 x 1, exports to Huggi
 MixtralForCausalLM and back bit for bit, and generates text.
 
 Resumed runs are compared with the uninterrupted one at the step after the checkpoint: the state
-is restored bitwise (checkpoints are layout-free) and the step differs only in the order of its
-float32 sums (other splits of the batch over devices, other microbatch sums' placement), so the
-loss agrees to 1e-5 relative (a few ulps of its ~5 magnitude times the step's accumulation
-depth).
+is restored bitwise (checkpoints are layout-free), so step 2 runs from the same state in another
+layout and differs only in the order of its float32 sums (other splits of the batch over devices,
+other microbatch sums' placement). Its loss, load-balancing loss and gradient norm are sums over
+the step's 1,024 tokens (global batch 8 x 128), the norm over squares of such sums: within
+`reordered_sum_rtol(1024)` of their value (tests/compare.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 
 import numpy as np
 import pytest
+from compare import reordered_sum_rtol
 
 from MaxText.config import CONFIGS_DIR
 from MaxText.generate import main as generate
@@ -58,7 +60,9 @@ def test_tiny_moe_trains_resumes_converts_and_generates(tmp_path, capsys):
         assert train([*argv, *other, f"run_name={name}", "eval_interval=0"]) == 0
         resumed = losses(tmp_path / name)
         assert sorted(resumed) == [2], name  # resumed from step 1
-        np.testing.assert_allclose(resumed[2]["loss"], full[2]["loss"], rtol=1e-5, err_msg=name)
+        for key in ("loss", "moe_lb_loss", "grad_norm"):
+            np.testing.assert_allclose(resumed[2][key], full[2][key], err_msg=f"{name} {key}",
+                                       rtol=reordered_sum_rtol(8 * 128))  # fmt: skip
 
     hf = tmp_path / "hf"
     assert to_huggingface([BASE, f"base_output_directory={tmp_path}", "run_name=full",
