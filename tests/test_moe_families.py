@@ -214,3 +214,30 @@ def load_balance_reference(cfg, tensors, inputs, microbatches: int) -> float:
         f = np.bincount(ids.reshape(-1), minlength=pooled.shape[1]) / len(pooled)
         losses.append(pooled.shape[1] * np.sum(f * pooled.mean(axis=0)))
     return float(np.mean(losses))
+
+
+# Published sizes, at the precision each publisher states them: Mistral AI's announcements
+# ("Mixtral of experts": 46.7B total, 12.9B used per token; "Cheaper, Better, Faster, Stronger":
+# 141B, 39B active) and the Qwen3 model cards ("30.5B in total and 3.3B activated", "235B in total
+# and 22B activated").
+PUBLISHED_SIZES = {
+    "mixtral-8x7b": (46.7, 12.9, 1),
+    "mixtral-8x22b": (141, 39, 0),
+    "qwen3-30b-a3b": (30.5, 3.3, 1),
+    "qwen3-235b-a22b": (235, 22, 0),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_SIZES))
+def test_planner_parameter_counts_are_the_published_ones(preset):
+    """The planner's total and active parameters of each MoE preset (from the model's abstract
+    shapes, nothing allocated; active = total less the (E - k) idle experts of every layer) are
+    within one unit of the last digit the publisher states (publishers round or truncate: Qwen's
+    "3.3B" is our 3.35B)."""
+    from MaxText.planning import moe_costs
+
+    total, active = moe_costs.param_counts(load_config([BASE, f"model_name={preset}"]))
+    want_total, want_active, digits = PUBLISHED_SIZES[preset]
+    unit = 10.0**-digits
+    assert abs(total / 1e9 - want_total) < unit, total
+    assert abs(active / 1e9 - want_active) < unit, active
