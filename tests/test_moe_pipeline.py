@@ -387,6 +387,26 @@ def test_planner_reads_the_moe_step(trainers):
     assert counted_bwd == blocks * block * 8 * 2 * d * f  # 2 recomputed, 6 for the gradients
 
 
+def test_per_layer_bound_of_a_moe_layer(tmp_path):
+    """The planner's per-layer bound (`planning/layer_bound.py`, one layer compiled alone on one
+    device) of a MoE layer at pp=2 x ep=2: its weights and their gradients are what one device of
+    the group holds while the layer runs, the attention, norms and router whole and E / ep of the
+    experts (here 4 x 3 x 4096 + 2 x 32 + 128, x 4 bytes); its working set includes the layer's
+    dispatch buffers, which the one-device program does not have."""
+    from MaxText.planning import moe_costs
+    from MaxText.planning.layer_bound import layer_bound
+
+    config = moe_config(tmp_path, *PP2_EP2)
+    d, f, heads, kv, hd = config.emb_dim, config.moe_mlp_dim, 4, 2, 8
+    attention = d * heads * hd * 2 + d * kv * hd * 2  # query and out, key and value
+    experts = 3 * E * d * f // config.mesh_expert
+    bound = layer_bound(config, "none")
+    assert bound.weight_bytes == bound.grad_bytes == 4 * (attention + 2 * d + d * E + experts)
+    dispatch = moe_costs.dispatch_bytes(config)
+    assert dispatch == 2 * (16 // 4 // 2 * 16 * K) * (2 * (d + 1) + 2 * d) * 4
+    assert bound.working_bytes > dispatch > 0
+
+
 def test_stage_costs_weigh_each_layer_by_its_all_to_alls(trainers):
     """`pipeline_stage_layers=auto` balances on the planned cost of a layer, which includes its
     all-to-alls: planned over links 100x slower, the cost per layer grows by exactly the time of

@@ -16,8 +16,10 @@ stage's remat policy) compiled alone on one device for one device's rows of a mi
 microbatch's rows over the data-parallel devices, data x fsdp), with its weights full size as
 an FSDP device holds them while the layer runs: XLA's temporaries of that program (the layer's
 working set) + the layer's weights (gathered) + their gradients (full size, before the
-reduce-scatter). Tensor parallelism is ignored (the bound errs towards more memory). It does
-not cover the embedding's or the head's work, which run before or after a stage's layers.
+reduce-scatter). Tensor parallelism is ignored (the bound errs towards more memory). A mixture of
+experts layer counts its device's E / ep experts and its dispatch buffers (`_expert_parallel`).
+It does not cover the embedding's or the head's work, which run before or after a stage's
+layers.
 
 Used by `cost_model.plan_compiled` for a plan that does not fit by the compiling backend's
 temporaries when that backend is not the one that will run it: a group whose temporaries exceed
@@ -62,14 +64,35 @@ def layer_bound(config, policy: str) -> LayerBound:
     params = jax.eval_shape(layer.init, jax.random.key(0), x, positions)
 
     def loss(p, h, pos):
-        return jnp.sum(layer.apply(p, h, pos).astype(jnp.float32))
+        out = layer.apply(p, h, pos)
+        if config.is_moe:  # (hidden, routing statistics): the statistics feed the lb loss
+            out, stats = out
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(stats)
+        return jnp.sum(out.astype(jnp.float32))
 
     device = jax.devices()[0]
     with jax.default_device(device):
         exe = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, positions).compile()
-    weights = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(params))
+    size = lambda tree: sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    weights = size(params)
     working = int(exe.memory_analysis().temp_size_in_bytes)
+    if config.is_moe:
+        weights, working = _expert_parallel(config, params, weights, working, size)
     return LayerBound(policy, rows, working, weights, weights)
+
+
+def _expert_parallel(config, params, weights: int, working: int, size) -> tuple[int, int]:
+    """A MoE layer on one device of an expert-parallel group: it holds E / ep of the layer's
+    experts (split over expert, gathered over fsdp only) and the layer's dispatch buffers, which
+    the one-device program (no all-to-all) does not have. Its experts' per-row intermediates stay
+    counted at the device's own T x k slots, where under expert parallelism it computes up to
+    ep x C rows (`moe_costs.dispatch_bytes`' C): low there by up to ep x min(k, E / ep) / k."""
+    from MaxText.planning import moe_costs
+
+    mlp = params["params"]["mlp"]
+    experts = size([mlp[n] for n in ("wi_0", "wi_1", "wo")])
+    ep = config.mesh_expert
+    return weights - experts + experts // ep, working + int(moe_costs.dispatch_bytes(config))
 
 
 def judged_temp(xla_temp: float, bound: LayerBound | None) -> float:
