@@ -56,6 +56,8 @@ def layer_bound(config, policy: str) -> LayerBound:
     from MaxText.model import layers
 
     one = config.replace(remat_policy=policy, pipeline_stage_remat="")
+    if config.is_moe:  # see `_expert_parallel`
+        one = one.replace(moe_matmul="blocks")
     rows = max(1, config.microbatch_size // config.data_parallel_devices)
     length = config.max_target_length
     x = jax.ShapeDtypeStruct((rows, length, config.emb_dim), layers.dtype_of(config.dtype))
@@ -86,7 +88,11 @@ def _expert_parallel(config, params, weights: int, working: int, size) -> tuple[
     experts (split over expert, gathered over fsdp only) and the layer's dispatch buffers, which
     the one-device program (no all-to-all) does not have. Its experts' per-row intermediates stay
     counted at the device's own T x k slots, where under expert parallelism it computes up to
-    ep x C rows (`moe_costs.dispatch_bytes`' C): low there by up to ep x min(k, E / ep) / k."""
+    ep x C rows (`moe_costs.dispatch_bytes`' C): low there by up to ep x min(k, E / ep) / k.
+    The experts run the `blocks` kernel here whatever the target's `moe_matmul`: its temporaries
+    are a block of rows at a time, as a GPU's grouped GEMM (`ragged_dot`) holds little beyond its
+    operands, while XLA:CPU lowers `ragged_dot` to a masked dense matmul holding E x the rows
+    (Qwen3-30B-A3B, 128 experts, 2 rows of 4096 per device: a 330 GB "layer")."""
     from MaxText.planning import moe_costs
 
     mlp = params["params"]["mlp"]
