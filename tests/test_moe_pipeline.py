@@ -392,7 +392,8 @@ def test_per_layer_bound_of_a_moe_layer(tmp_path):
     device) of a MoE layer at pp=2 x ep=2: its weights and their gradients are what one device of
     the group holds while the layer runs, the attention, norms and router whole and E / ep of the
     experts (here 4 x 3 x 4096 + 2 x 32 + 128, x 4 bytes); its working set includes the layer's
-    dispatch buffers, which the one-device program does not have."""
+    dispatch buffers, which the one-device program does not have, and is the `blocks` kernel's
+    whatever kernel the target runs."""
     from MaxText.planning import moe_costs
     from MaxText.planning.layer_bound import layer_bound
 
@@ -405,6 +406,9 @@ def test_per_layer_bound_of_a_moe_layer(tmp_path):
     dispatch = moe_costs.dispatch_bytes(config)
     assert dispatch == 2 * (16 // 4 // 2 * 16 * K) * (2 * (d + 1) + 2 * d) * 4
     assert bound.working_bytes > dispatch > 0
+    # planned for a GPU (moe_matmul ragged_dot), the bound still runs the blocks kernel: XLA:CPU
+    # lowers ragged_dot to a masked dense matmul holding E x the rows, no GPU's working set
+    assert layer_bound(config.replace(moe_matmul="ragged_dot"), "none") == bound
 
 
 def test_stage_costs_weigh_each_layer_by_its_all_to_alls(trainers):
