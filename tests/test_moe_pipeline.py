@@ -376,7 +376,9 @@ def test_planner_reads_the_moe_step(trainers):
     c = t * min(K, E // 2)
     assert report["dispatch_bytes_per_layer"] == 2 * c * (2 * (d + 1) + 2 * d) * 4
     m = config.num_pipeline_microbatches
-    assert report["all_to_all"]["launches"] == 2 * 4 * m * 2
+    assert report["all_to_all"]["launches"] == 2 * 4 * m * 2  # over both groups
+    per_group = 2 * 2 * m * 2 * moe_costs.all_to_all_bytes(config)  # a device: its group's
+    assert report["all_to_all"]["bytes_per_device"] == [per_group, per_group]
     assert 0 < report["all_to_all_share"] < 1 and plan.predicted["step_time_s"] > 0
     rows = 2 * c  # ep x C received slots, in blocks of B rows: ceil(rows / B) + G blocks
     block = moe.block_rows(rows, E // 2)

@@ -225,7 +225,8 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
 
     report = compiled.report()
     schedule = report.schedule
-    moe_s = _moe_task_seconds(config, compiled, report, hardware) if config.is_moe else {}
+    moe_b = _moe_task_bytes(config, compiled, report) if config.is_moe else {}
+    moe_s = {i: _a2a_seconds(config, b, hardware) for i, b in moe_b.items()}
     seconds = {
         t.index: hardware.task_seconds(*_cost(t, hardware, config)) + moe_s.get(t.index, 0.0)
         for t in report.tasks
@@ -291,7 +292,9 @@ def plan_compiled(config, hardware: Hardware, compiled, abstract_state) -> Plan:
         out,
         layer_bound=bound,
         gradients=gradient_communication(compiled, groups),
-        moe=moe_report(config, compiled, report, moe_s, step_time) if config.is_moe else None,
+        moe=moe_report(config, compiled, report, moe_b, moe_s, step_time)
+        if config.is_moe
+        else None,
         stage_costs=stage_costs,
         baseline=baseline,
         stage_remat=tuple(config.stage_remat),
@@ -380,8 +383,16 @@ def gradient_communication(compiled, groups) -> dict:
     }
 
 
-def _moe_task_seconds(config, compiled, report, hardware: Hardware) -> dict:
-    """Task index -> seconds of its all-to-alls (counted in its HLO; see `moe_costs`)."""
+def _a2a_seconds(config, nbytes: float, hardware: Hardware) -> float:
+    """Seconds of all-to-alls moving `nbytes` per device over the expert group's links."""
+    from MaxText.planning import moe_costs
+
+    return moe_costs.all_to_all_seconds(nbytes, config.mesh_expert, hardware)
+
+
+def _moe_task_bytes(config, compiled, report) -> dict:
+    """Task index -> bytes per device of its all-to-alls (counted in its HLO; see
+    `moe_costs`)."""
     from jaxpp_integration.tools.collectives import instruction_collectives
     from MaxText.planning import moe_costs
 
@@ -391,16 +402,16 @@ def _moe_task_seconds(config, compiled, report, hardware: Hardware) -> dict:
     for t in report.tasks:
         if t.kind == "loop" and t.flops:  # compiled here (another process's group: zeros)
             counts = instruction_collectives(compiled, t.index, cache)
-            nbytes = counts.get("all-to-all", (0, 0))[0] * per_launch
-            out[t.index] = moe_costs.all_to_all_seconds(nbytes, config.mesh_expert, hardware)
+            out[t.index] = counts.get("all-to-all", (0, 0))[0] * per_launch
     return out
 
 
-def moe_report(config, compiled, report, a2a_seconds: dict, step_time: float) -> dict:
+def moe_report(config, compiled, report, a2a_bytes: dict, a2a_seconds: dict, step_time) -> dict:
     """A mixture of experts' plan terms (`moe_costs`): parameters total and active, the
     experts' bytes per device of each group, one layer's dispatch buffers per device, the step's
-    all-to-alls (launches from the HLO, bytes per device in `dtype`) and their time: the largest
-    total of one group's tasks, and its share of the predicted step."""
+    all-to-alls (launches from the HLO over every group; bytes in `dtype` per device of each
+    group, which carries its own group's) and their time: the largest total of one group's
+    tasks, and its share of the predicted step."""
     from jaxpp_integration.tools.collectives import program_collectives
     from MaxText.planning import flops as flops_of
     from MaxText.planning import moe_costs
@@ -410,9 +421,10 @@ def moe_report(config, compiled, report, a2a_seconds: dict, step_time: float) ->
     for s, n in enumerate(config.stage_layers):
         layers_on[report.schedule.stage_to_rank(s)] += n
     counts = program_collectives(compiled)
-    per_group = [0.0] * report.num_groups
+    per_group, bytes_per_group = [0.0] * report.num_groups, [0.0] * report.num_groups
     for t in report.tasks:
         per_group[t.group] += a2a_seconds.get(t.index, 0.0)
+        bytes_per_group[t.group] += a2a_bytes.get(t.index, 0.0)
     a2a = counts["all-to-all"]
     return {
         "params_total": total,
@@ -422,7 +434,8 @@ def moe_report(config, compiled, report, a2a_seconds: dict, step_time: float) ->
         "dispatch_bytes_per_layer": moe_costs.dispatch_bytes(config),
         "all_to_all": {
             "launches": a2a["launches"],
-            "bytes": a2a["launches"] * moe_costs.all_to_all_bytes(config),
+            "bytes": a2a["launches"] * moe_costs.all_to_all_bytes(config),  # all groups'
+            "bytes_per_device": bytes_per_group,  # a device of each group
         },
         "all_to_all_s": max(per_group),
         "all_to_all_share": max(per_group) / step_time if step_time else 0.0,
@@ -443,7 +456,8 @@ def describe_moe(report: dict) -> str:
         f"{report['experts_per_device']} experts per device "
         f"({' / '.join(format_bytes(b) for b in report['expert_bytes_per_device'])} per group); "
         f"dispatch buffers {format_bytes(report['dispatch_bytes_per_layer'])} per layer; "
-        f"all-to-all {a2a['launches']} per step ({format_bytes(a2a['bytes'])} per device), "
+        f"all-to-all {a2a['launches']} per step over the groups "
+        f"({format_bytes(max(a2a['bytes_per_device']))} per device of the busiest group), "
         f"{report['all_to_all_s']:.3f} s = {100 * report['all_to_all_share']:.1f}% of the step"
     )
 
