@@ -74,7 +74,7 @@ def sft_keys(world, *extra: str) -> list[str]:
         "dataset_type=grain",
         f"grain_train_files={data}/train-*.array_record",
         f"grain_eval_files={data}/eval-*.array_record",
-        "max_target_length=64",
+        "max_target_length=96",  # two examples per packed row (at 64: one, packing unseen)
         "global_batch_size=8",
         "log_period=1",
         "eval_interval=0",

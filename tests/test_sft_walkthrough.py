@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -132,9 +133,10 @@ def test_fine_tuning_walkthrough_runs_as_written(tmp_path, capsys):
         # guessed the sum uniformly among the 13 possible would score ln(13) / 8 = 0.32)
         assert [r["step"] for r in sft] == [10, 20, 30] and sft[-1]["eval_loss"] < 1.0, sft[-1]
         assert all(r["trained_tokens"] == r["total_weights"] > 0 for r in sft)
-        # generate prints the reply alone: in the format, and stopped at <|im_end|>
+        # generate prints the reply alone: in the format, and stopped at <|im_end|> (without
+        # that stop the model goes on after it: "The answer is 3. 6. 6. ...")
         reply = out[3].strip()
-        assert reply.startswith("The answer is ") and reply.endswith("."), reply
+        assert re.fullmatch(r"The answer is \d+\.", reply), reply
         exported = tmp_path / "export"
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             assert (exported / name).is_file(), name
