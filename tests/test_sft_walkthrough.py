@@ -40,16 +40,13 @@ def walkthrough_commands() -> str:
 def parsed_commands(block: str, env: dict[str, str]) -> list[tuple[str, list[str]]]:
     """(module, argv) of each command of a bash block of `python train.py ...` and
     `python -m <module> ...` lines, words split and variables expanded as bash does for these
-    lines (no word of theirs holds a space, a glob bash would expand or a `$` left unset)."""
+    lines (no word of theirs holds a space or a glob bash would expand; an unset variable is a
+    KeyError)."""
     lines = [x for x in block.splitlines() if x.strip() and not x.lstrip().startswith("#")]
     out = []
     for line in "\n".join(lines).replace("\\\n", " ").splitlines():
-        words = shlex.split(line)
-        for i, w in enumerate(words):
-            for name in sorted(env, key=len, reverse=True):
-                w = w.replace("${" + name + "}", env[name]).replace("$" + name, env[name])
-            assert "$" not in w, f"unset variable in {words[i]!r}"
-            words[i] = w
+        variable = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+        words = [variable.sub(lambda m: env[m.group(1)], w) for w in shlex.split(line)]
         assert words[0] == "python", line
         if words[1] == "train.py":
             out.append(("MaxText.train", words[2:]))
