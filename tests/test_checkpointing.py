@@ -318,11 +318,26 @@ def test_checkpoint_of_another_model_is_a_config_error(spmd_full, tmp_path, caps
 
 
 @pytest.fixture(scope="module")
-def pp4_full(tmp_path_factory):
-    """20 uninterrupted steps at pipeline_parallelism=4; checkpoints at 10 and 20."""
+def pp4_run(tmp_path_factory):
+    """20 uninterrupted steps at pipeline_parallelism=4; checkpoints at 10 and 20. Returns
+    (folder, losses, the trainer the run built)."""
     base = tmp_path_factory.mktemp("pp4")
-    train(base, "full", "steps=20", "pipeline_parallelism=4", "checkpoint_period=10")
-    return base, losses(base, "full")
+    built, real_build = [], checkpoint_train.build_trainer
+
+    def build(config, mesh, *args, **kwargs):
+        built.append(real_build(config, mesh, *args, **kwargs))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint_train, "build_trainer", build)
+        train(base, "full", "steps=20", "pipeline_parallelism=4", "checkpoint_period=10")
+    (trainer,) = built
+    return base, losses(base, "full"), trainer
+
+
+@pytest.fixture(scope="module")
+def pp4_full(pp4_run):
+    return pp4_run[:2]
 
 
 @pytest.mark.slow
@@ -402,12 +417,10 @@ def _checked_against(reference, rtol: float, steps: list):
 
 
 @pytest.fixture(scope="module")
-def pp4_reference(tmp_path_factory):
-    """The pipeline_parallelism=4 trainer the layout tests check each step against, built and
-    compiled once for all of them (it only steps given states; nothing is written)."""
-    base = tmp_path_factory.mktemp("pp4_reference")
-    config = load_config(argv(base, "reference", "steps=20", "pipeline_parallelism=4"))
-    return build_trainer(config, sharding.make_mesh(config, devices.setup(**config.device_args())))
+def pp4_reference(pp4_run):
+    """The pipeline_parallelism=4 trainer the layout tests check each step against: the one
+    `pp4_run` built and compiled (the reference only steps the states it is given)."""
+    return pp4_run[2]
 
 
 # One step from the same state in another layout: every loss and gradient entry is a sum over the
