@@ -19,18 +19,24 @@ import jax
 import numpy as np
 import pytest
 from chat_world import BASE, SYSTEM, chat_model, independent_masks, segments, target_logprobs
+from compare import assert_close_per_leaf, host, put_like, reordered_sum_rtol
 from small_model import merged
 
 from MaxText.config import load_config
 from MaxText.data.prepare import main as prepare
 
 TOL = 1e-5
-# Pipelined vs jax.jit: the same operations, the gradient sums in another order (per microbatch
-# and stage). Metrics measured within ~1e-6; parameters after 4 steps within 1e-5 of each leaf's
-# largest entry with adam_eps=1e-3 (Adam turns a rounding-level gradient entry into a full-size
-# update when eps is tiny: tests/small_model.py; one entry moved by 2e-4 of its leaf's scale at
-# the default 1e-8).
-TOL_PIPELINED = 1e-5
+# Pipelined vs jax.jit, compared one step at a time from the same input state (differences grow
+# step after step through Adam: tests/compare.py), the same batch and reference:
+# - the metrics: each program's float32 values are within TOL of the float64 formula (the bound
+#   of test_one_step_equals_the_float64_formula, reasoned there), so within 2 TOL of each other;
+# - the state (parameters, Adam's moments): the gradients are sums over the step's 8 x 64 tokens
+#   that the two programs add in other orders (per microbatch and stage),
+#   `reordered_sum_rtol` of each leaf's scale (tests/compare.py; with adam_eps=1e-3, as
+#   tests/small_model.py explains, so that Adam does not turn a rounding-level gradient entry
+#   into a full-size update).
+TOL_PIPELINED = 2 * TOL
+STEP_RTOL = reordered_sum_rtol(8 * 64)
 BETA, SMOOTHING = 0.5, 0.1
 
 
@@ -111,27 +117,22 @@ def reference_metrics(world, batch, policy: int, reference: int) -> dict:
     }
 
 
-def test_one_step_equals_the_float64_formula(world):
-    """jax.jit of the DPO step with policy A and reference B (two different models, so the
-    rewards are not 0): loss, rewards, margin and accuracy within 1e-5 of the float64 formula
-    (rewards are beta x sums of ~8 log-probabilities of magnitude ~5: float32 rounding ~1e-6)."""
+def test_one_step_equals_the_float64_formula(world, trained):
+    """The SPMD trainer's DPO step (jax.jit of the step function, as the trainer compiles it)
+    with policy A and reference B (two different models, so the rewards are not 0): loss,
+    rewards, margin and accuracy within 1e-5 of the float64 formula (rewards are beta x sums of
+    ~8 log-probabilities of magnitude ~5: float32 rounding ~1e-6)."""
     from MaxText.checkpoint import manager
     from MaxText.generate import abstract_params
-    from MaxText.model import Decoder
-    from MaxText.optimizer import make_optimizer
-    from MaxText.train_step import batch_keys, make_dpo_train_step
 
-    argv = dpo_keys(world, f"dpo_beta={BETA}", f"dpo_label_smoothing={SMOOTHING}")
-    config = load_config(argv)
-    model = Decoder(config)
-    optimizer, lr = make_optimizer(config)
+    config, trainer = trained["jit"]
+    assert config.dpo_beta == BETA and config.dpo_label_smoothing == SMOOTHING
     a, b = (manager.load_params(c, abstract_params(config), config)[0] for c in world["ckpt"])
-    step = jax.jit(make_dpo_train_step(config, model, optimizer, lr, batch_keys(config)))
-    state = {"step": np.int32(0), "params": a, "opt_state": optimizer.init(a)}
-    batch = first_batch(argv)
-    keys = {k: np.asarray(batch[k], np.float32 if k == "targets_mask" else np.int32)
-            for k in batch_keys(config)}  # fmt: skip
-    _, got = step(state, keys, b)
+    state = {"step": np.int32(0), "params": a, "opt_state": trainer.optimizer.init(a)}
+    state = jax.device_put(state, trainer.state_shardings)
+    reference = jax.device_put(b, trainer.state_shardings["params"])
+    batch = first_batch(dpo_keys(world))
+    _, got = trainer.train_step.compiled(state, trainer.put_batch(batch), reference)
     want = reference_metrics(world, batch, policy=0, reference=1)
     for key, value in want.items():
         assert abs(float(got[key]) - value) <= TOL, (key, float(got[key]), value)
@@ -139,8 +140,10 @@ def test_one_step_equals_the_float64_formula(world):
     assert float(got["tokens"]) == batch["targets_mask"].sum()
 
 
-def run_in_process(argv):
-    """train.py's run in this process (the trainer stays inspectable): (config, trainer)."""
+def run_in_process(argv, trainer=None):
+    """train.py's run in this process (the trainer stays inspectable): (config, trainer).
+    `trainer`: one built for the same argv by an earlier call, whose compiled step is run
+    again (a restarted process compiles the same programs, or reads them from the cache)."""
     from MaxText import sharding
     from MaxText.cluster import devices
     from MaxText.data import make_data
@@ -151,7 +154,7 @@ def run_in_process(argv):
     config, devs = devices.start(config)
     data = make_data(config)
     try:
-        trainer = build_trainer(config, sharding.make_mesh(config, devs))
+        trainer = trainer or build_trainer(config, sharding.make_mesh(config, devs))
         run(config, trainer, data)
     finally:
         data.close()
@@ -168,11 +171,75 @@ def records(world, run: str) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_pipelined_equals_jit_reference_frozen_on_its_groups_and_resume(world):
+STEPS = ("steps=4", "checkpoint_period=2", "async_checkpointing=false", "adam_eps=1e-3")
+LOSS = (f"dpo_beta={BETA}", f"dpo_label_smoothing={SMOOTHING}")
+
+
+@pytest.fixture(scope="module")
+def trained(world):
+    """The trainers the tests share, built in this process: SPMD (`jax.jit`, "jit") and
+    pipeline_parallelism=2 ("pp2", which also runs 4 steps as train.py would, run "pp2"),
+    default keys otherwise; {name: (config, trainer)}."""
+    from MaxText import sharding
+    from MaxText.cluster import devices
+    from MaxText.train_step import build_trainer
+
+    config, devs = devices.start(load_config(dpo_keys(world, *STEPS, *LOSS, "run_name=jit")))
+    return {
+        "jit": (config, build_trainer(config, sharding.make_mesh(config, devs))),
+        "pp2": run_in_process(
+            dpo_keys(world, *STEPS, *LOSS, "pipeline_parallelism=2", "run_name=pp2")
+        ),
+    }
+
+
+def stepped_against_jit(world, trained, steps: int) -> list:
+    """The pp2 trainer's compiled step taken `steps` times from the runs' starting state (policy
+    A, Adam's moments zero) on the runs' batches, and before each the jit trainer's step from
+    the same state (in its own tree), the same batch and the same reference (A): per step
+    ((state, metrics) wanted, (state, metrics) got), as numpy, states in the canonical tree."""
+    from test_train import relayout
+
+    from MaxText.checkpoint import manager
+    from MaxText.checkpoint.layout import CanonicalLayout
+    from MaxText.data import make_data
+    from MaxText.generate import abstract_params
+
+    (config, pp2), (jit_config, jit) = trained["pp2"], trained["jit"]
+    params = manager.load_params(world["ckpt"][0], abstract_params(config), config)[0]
+    state = host({"step": np.int32(0), "params": params, "opt_state": pp2.optimizer.init(params)})
+    assert jax.tree.structure(state) == jax.tree.structure(pp2.abstract_state)
+    jit_reference = manager.load_params(world["ckpt"][0], abstract_params(jit_config), jit_config)
+    jit_reference = jax.device_put(jit_reference[0], jit.state_shardings["params"])
+    pp2_reference, template = pp2.train_step.reference, pp2.init_state()
+    data = make_data(config)
+    try:
+        batches = [next(data.train) for _ in range(steps)]
+    finally:
+        data.close()
+    canonical = lambda trainer, state: CanonicalLayout(trainer.abstract_state).to_canonical(  # noqa: E731
+        jax.tree.leaves(state)
+    )
+    out = []
+    for batch in batches:
+        jit_state = jax.device_put(relayout(state, pp2, jit), jit.state_shardings)
+        want = jit.train_step.compiled(jit_state, jit.put_batch(batch), jit_reference)
+        got = pp2.train_step.compiled(
+            put_like(template, state), pp2.put_batch(batch), pp2_reference
+        )
+        (want_state, want_metrics), (state, got_metrics) = host(want), host(got)
+        out.append(
+            ((canonical(jit, want_state), want_metrics), (canonical(pp2, state), got_metrics))
+        )
+    return out
+
+
+def test_pipelined_equals_jit_reference_frozen_on_its_groups_and_resume(world, trained):
     """pipeline_parallelism=2 with default keys (1f1b, 4 microbatches, scanned layers,
     checkpointing on) against the SPMD step (jax.jit of the same function), 4 steps:
     - step 1: the policy is the reference, loss log 2 and rewards 0;
-    - every step's metrics, and the parameters after 4 steps per leaf, within TOL_PIPELINED;
+    - each step, taken from the same state by both programs: metrics within TOL_PIPELINED, the
+      state (parameters, Adam's moments) per leaf within STEP_RTOL (reasons: at the top);
     - the reference parameters after 4 steps are bitwise the starting checkpoint's, each leaf on
       the group (and devices) of its stage's policy weights, which is where the step reads it;
     - the reference pass adds no task: 2 stages x 4 microbatches fwd and bwd instances, the
@@ -184,31 +251,20 @@ def test_pipelined_equals_jit_reference_frozen_on_its_groups_and_resume(world):
     from MaxText.checkpoint import manager
     from MaxText.generate import abstract_params
 
-    keys = ("steps=4", "checkpoint_period=2", "async_checkpointing=false", "adam_eps=1e-3")
-    run_in_process(dpo_keys(world, *keys, "run_name=jit"))
-    config, trainer = run_in_process(
-        dpo_keys(world, *keys, "pipeline_parallelism=2", "run_name=pp2")
-    )
-    jit, pp2 = records(world, "jit"), records(world, "pp2")
+    config, trainer = trained["pp2"]
+    pp2 = records(world, "pp2")
     assert abs(pp2[0]["loss"] - math.log(2)) <= 6e-8  # float32's spacing at log 2
     for key in ("dpo_chosen_reward", "dpo_rejected_reward", "dpo_reward_margin"):
         assert abs(pp2[0][key]) <= 1e-6, (key, pp2[0][key])
-    for a, b in zip(jit, pp2, strict=True):
-        for key in ("loss", "dpo_chosen_reward", "dpo_rejected_reward", "grad_norm"):
-            assert abs(a[key] - b[key]) <= TOL_PIPELINED, (a["step"], key, a[key], b[key])
-        assert a["trained_tokens"] == b["trained_tokens"]
-    abstract = abstract_params(load_config(dpo_keys(world)))
-    final = {}
-    for run in ("jit", "pp2"):
-        path = world["root"] / "runs" / run
-        final[run] = manager.load_params(path, abstract, config)[0]
-    for (path, x), y in zip(
-        jax.tree_util.tree_leaves_with_path(final["jit"]),
-        jax.tree.leaves(final["pp2"]),
-        strict=True,
-    ):
-        scale = float(np.abs(x).max())
-        np.testing.assert_allclose(y, x, rtol=0, atol=TOL_PIPELINED * scale, err_msg=str(path))
+    steps = stepped_against_jit(world, trained, len(pp2))
+    # the stepped trajectory is the run's (the same program from the same state): bit for bit
+    assert [float(got["loss"]) for _, (_, got) in steps] == [r["loss"] for r in pp2]
+    for k, ((want_state, want), (got_state, got)) in enumerate(steps, 1):
+        for key in ("loss", "dpo_chosen_reward", "dpo_rejected_reward"):
+            assert abs(want[key] - got[key]) <= TOL_PIPELINED, (k, key, want[key], got[key])
+        assert abs(want["grad_norm"] - got["grad_norm"]) <= STEP_RTOL * want["grad_norm"], k
+        assert want["tokens"] == got["tokens"] == pp2[k - 1]["trained_tokens"]
+        assert_close_per_leaf(want_state, got_state, STEP_RTOL, f"step {k} state ")
 
     start = manager.load_params(world["ckpt"][0], abstract_params(config), config)[0]  # pp2 tree
     reference = trainer.train_step.reference
@@ -234,9 +290,13 @@ def test_pipelined_equals_jit_reference_frozen_on_its_groups_and_resume(world):
     assert sum(t.phase is Phase.BWD for t in loop) == 2 * m
     assert {t.program for t in loop} == {"fwd_0", "fwd_1", "bwd_0", "bwd_1"}
 
+    # The restart runs the same compiled step; its reference is dropped first, so the restart
+    # must read it again (from load_parameters_path: the run's checkpoints hold no reference).
     run = world["root"] / "runs" / "pp2"
     shutil.rmtree(run / "checkpoints" / "4")
-    run_in_process(dpo_keys(world, *keys, "pipeline_parallelism=2", "run_name=pp2"))
+    trainer.train_step.set_reference(None)
+    argv = dpo_keys(world, *STEPS, *LOSS, "pipeline_parallelism=2", "run_name=pp2")
+    run_in_process(argv, trainer=trainer)
     again = records(world, "pp2")[len(pp2) :]
     assert [r["step"] for r in again] == [3, 4]
     assert [r["loss"] for r in again] == [r["loss"] for r in pp2[2:]]  # JSON floats: all bits

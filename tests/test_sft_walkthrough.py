@@ -1,15 +1,24 @@
-"""docs/fine_tuning.md's chat fine-tuning walkthrough, run as written (one bash process, the
-default grain_worker_count and checkpointing): convert -> prepare chat data -> SFT at
+"""docs/fine_tuning.md's chat fine-tuning walkthrough, run as written (the default
+grain_worker_count and checkpointing): convert -> prepare chat data -> SFT at
 pipeline_parallelism=4 -> a chat reply -> export -> prepare pairs -> DPO at
-pipeline_parallelism=4."""
+pipeline_parallelism=4; then the SFT run, restarted from its step-20 checkpoint, repeats step 30
+bit for bit (the pp=4 resume check of issue 33).
+
+The commands run in this process: each line of the docs' bash block (comments dropped, `\\`
+continuations joined, split as bash splits words, `$VARS` expanded) is handed to the `main(argv)`
+of the module it names (`python train.py` is `MaxText.train`), so the block runs as written
+without paying a Python and JAX start-up per command, and the steps' programs compiled by the
+SFT run are read back from the session's compilation cache by its restart."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
-import subprocess
-import sys
+import re
+import shlex
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +37,36 @@ def walkthrough_commands() -> str:
     return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
 
+def parsed_commands(block: str, env: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(module, argv) of each command of a bash block of `python train.py ...` and
+    `python -m <module> ...` lines, words split and variables expanded as bash does for these
+    lines (no word of theirs holds a space or a glob bash would expand; an unset variable is a
+    KeyError)."""
+    lines = [x for x in block.splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    out = []
+    for line in "\n".join(lines).replace("\\\n", " ").splitlines():
+        variable = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+        words = [variable.sub(lambda m: env[m.group(1)], w) for w in shlex.split(line)]
+        assert words[0] == "python", line
+        if words[1] == "train.py":
+            out.append(("MaxText.train", words[2:]))
+        else:
+            assert words[1] == "-m", line
+            out.append((words[2], words[3:]))
+    return out
+
+
+def run_command(module: str, argv: list[str]) -> int:
+    return importlib.import_module(module).main(list(argv))
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_fine_tuning_walkthrough_runs_as_written(tmp_path):
-    from chat_fixtures import byte_level_tokenizer, tokenizer_folder
+def test_fine_tuning_walkthrough_runs_as_written(tmp_path, capsys):
+    from chat_fixtures import SPECIAL, byte_level_tokenizer, tokenizer_folder
     from hf_reference import llama_config, random_tensors, write_hf_folder
 
     rng = np.random.default_rng(2)
@@ -45,46 +81,110 @@ def test_fine_tuning_walkthrough_runs_as_written(tmp_path):
     hf = write_hf_folder(tmp_path / "hf", cfg, random_tensors(cfg, seed=7))
     tokenizer_folder(hf, tok, "chatml", None)
     (hf / "chat_template.jinja").write_text(fallback_source("chatml"))
+    # the reply must stop at <|im_end|>, an eos id that only generation_config.json names (the
+    # tokenizer's own eos_token is another)
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|end_of_text|>"}))
+    stop = [SPECIAL.index("<|end_of_text|>"), SPECIAL.index("<|im_end|>")]
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
     (tmp_path / "chats.jsonl").write_text(
         "".join(json.dumps({"messages": c}) + "\n" for c in chats)
     )
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     question = [SYSTEM, {"role": "user", "content": "What is 1 plus 2?"}]
     (tmp_path / "prompt.json").write_text(json.dumps(question))
-    env = dict(os.environ)
     names = ("CKPT", "DATA", "RUNS", "EXPORT", "PREFS")
-    env.update({n: str(tmp_path / n.lower()) for n in names})
+    env = {n: str(tmp_path / n.lower()) for n in names}
     env.update(
         HF=str(hf),
         CHATS=str(tmp_path / "chats.jsonl"),
         PAIRS=str(tmp_path / "pairs.jsonl"),
         PROMPT=str(tmp_path / "prompt.json"),
-        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
     )
-    proc = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", walkthrough_commands()],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = tmp_path / "runs"
-    sft = [json.loads(x) for x in (runs / "sft" / "metrics.jsonl").read_text().splitlines()]
-    # records every log_period=10 steps; held-out assistant-token loss from ln(vocab) = 5.8 at
-    # the start to below 1.0 (the bound of tests/test_sft.py's 40-step run, reasoned there)
-    assert [r["step"] for r in sft] == [10, 20, 30] and sft[-1]["eval_loss"] < 1.0, sft[-1]
-    assert all(r["trained_tokens"] == r["total_weights"] > 0 for r in sft)
-    # generate prints the reply alone on a line (prepare's summary lines come before it)
-    assert any(line.startswith("The answer is") for line in proc.stdout.splitlines()), proc.stdout
-    exported = tmp_path / "export"
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (exported / name).is_file(), name
-    assert (exported / "chat_template.jinja").read_text() == fallback_source("chatml")
-    dpo = [json.loads(x) for x in (runs / "dpo" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in dpo] == [10]  # step 1's log 2: tests/test_dpo.py
-    assert math.isfinite(dpo[-1]["loss"]) and 0.0 <= dpo[-1]["dpo_reward_accuracy"] <= 1.0
-    log = proc.stdout + proc.stderr
-    assert "rewards chosen " in log and " accuracy " in log
-    assert "new run dpo starts from the parameters of checkpoint step 30" in proc.stderr
+    commands = parsed_commands(walkthrough_commands(), env)
+    assert [m for m, _ in commands] == [
+        "MaxText.to_maxtext",
+        "MaxText.data.prepare",
+        "MaxText.train",
+        "MaxText.generate",
+        "MaxText.to_huggingface",
+        "MaxText.data.prepare",
+        "MaxText.train",
+    ]
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the commands name configs/base.yml relative to the repository
+    try:
+        out, err = [], []
+        for module, argv in commands:
+            assert run_command(module, argv) == 0, (module, capsys.readouterr().err[-3000:])
+            captured = capsys.readouterr()
+            out.append(captured.out)
+            err.append(captured.err)
+        stdout, stderr = "".join(out), "".join(err)
+
+        runs = tmp_path / "runs"
+        sft = records(runs / "sft" / "metrics.jsonl")
+        # records every log_period=10 steps; held-out assistant-token loss below 1.0 nats:
+        # ln(vocab) = 5.8 for a model that knows nothing, and ~8 trained tokens per answer of
+        # which only the sum is not fixed by the format (a model that learned the format and
+        # guessed the sum uniformly among the 13 possible would score ln(13) / 8 = 0.32)
+        assert [r["step"] for r in sft] == [10, 20, 30] and sft[-1]["eval_loss"] < 1.0, sft[-1]
+        assert all(r["trained_tokens"] == r["total_weights"] > 0 for r in sft)
+        # generate prints the reply alone: in the format, and stopped at <|im_end|> (without
+        # that stop the model goes on after it: "The answer is 3. 6. 6. ...")
+        reply = out[3].strip()
+        assert re.fullmatch(r"The answer is \d+\.", reply), reply
+        exported = tmp_path / "export"
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            assert (exported / name).is_file(), name
+        assert (exported / "chat_template.jinja").read_text() == fallback_source("chatml")
+        dpo = records(runs / "dpo" / "metrics.jsonl")
+        assert [r["step"] for r in dpo] == [10]  # step 1's log 2: tests/test_dpo.py
+        assert math.isfinite(dpo[-1]["loss"]) and 0.0 <= dpo[-1]["dpo_reward_accuracy"] <= 1.0
+        log = stdout + stderr  # the step lines go to stdout (through the progress bar)
+        assert "rewards chosen " in log and " accuracy " in log
+        assert "new run dpo starts from the parameters of checkpoint step 30" in stderr
+
+        # Resume at pipeline_parallelism=4: the SFT command again, its step-30 checkpoint moved
+        # away, so that it restores step 20's (checkpoint_period=10): state and data position
+        # mid-way through an epoch (asserted below). Step 30's record (loss after ten more
+        # updates, and the evaluation of the parameters they made) repeats bit for bit.
+        checkpoints = runs / "sft" / "checkpoints"
+        assert sorted(int(p.name) for p in checkpoints.iterdir()) == [10, 20, 30]
+        shutil.move(checkpoints / "30", tmp_path / "sft_step_30")
+        module, argv = commands[2]
+        assert run_command(module, argv) == 0, capsys.readouterr().err[-3000:]
+        assert "resuming run sft from checkpoint step 20" in capsys.readouterr().err
+    finally:
+        os.chdir(cwd)
+    again = records(runs / "sft" / "metrics.jsonl")[len(sft) :]
+    assert [r["step"] for r in again] == [30]
+    for key in ("loss", "eval_loss", "trained_tokens", "grad_norm"):  # JSON floats: all bits
+        assert again[0][key] == sft[-1][key], (key, again[0][key], sft[-1][key])
+    assert_mid_epoch(argv, steps=20)
+
+
+def assert_mid_epoch(argv: list[str], steps: int):
+    """The first `steps` batches of the run's data hold a number of examples (packed segments)
+    that is not a multiple of the train split's (its manifest's count): the checkpoint after
+    them is inside an epoch, not at its end."""
+    from MaxText.config import load_config
+    from MaxText.data import make_data
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        data = make_data(load_config([*argv, "grain_worker_count=0"]))  # the same rows
+    finally:
+        os.chdir(cwd)
+    try:
+        seen = 0
+        for _ in range(steps):
+            segments = next(data.train)["inputs_segmentation"]
+            seen += sum(len(set(row.tolist()) - {0}) for row in segments)
+    finally:
+        data.close()
+    train_files = next(a.split("=", 1)[1] for a in argv if a.startswith("grain_train_files="))
+    manifest = json.loads((Path(train_files).parent / "manifest.json").read_text())
+    split = manifest["splits"]["train"]["documents"]
+    assert seen % split != 0, (seen, split)
