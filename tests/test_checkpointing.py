@@ -318,21 +318,39 @@ def test_checkpoint_of_another_model_is_a_config_error(spmd_full, tmp_path, caps
 
 
 @pytest.fixture(scope="module")
-def pp4_full(tmp_path_factory):
-    """20 uninterrupted steps at pipeline_parallelism=4; checkpoints at 10 and 20."""
+def pp4_run(tmp_path_factory):
+    """20 uninterrupted steps at pipeline_parallelism=4; checkpoints at 10 and 20. Returns
+    (folder, losses, the trainer the run built)."""
     base = tmp_path_factory.mktemp("pp4")
-    train(base, "full", "steps=20", "pipeline_parallelism=4", "checkpoint_period=10")
-    return base, losses(base, "full")
+    built, real_build = [], checkpoint_train.build_trainer
+
+    def build(config, mesh, *args, **kwargs):
+        built.append(real_build(config, mesh, *args, **kwargs))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint_train, "build_trainer", build)
+        train(base, "full", "steps=20", "pipeline_parallelism=4", "checkpoint_period=10")
+    (trainer,) = built
+    return base, losses(base, "full"), trainer
+
+
+@pytest.fixture(scope="module")
+def pp4_full(pp4_run):
+    return pp4_run[:2]
 
 
 @pytest.mark.slow
-def test_resume_pipelined_is_bitwise(tmp_path, logs):
-    train(tmp_path, "full", "steps=20", "pipeline_parallelism=2")
-    train(tmp_path, "run", "steps=10", "pipeline_parallelism=2")
+def test_resume_pipelined_is_bitwise(pp4_full, tmp_path, logs):
+    """pipeline_parallelism=4 stopped at step 10 and resumed: steps 1-20 bitwise the
+    uninterrupted run's (`pp4_full`, the same keys)."""
+    layout = ("pipeline_parallelism=4", "checkpoint_period=10")
+    train(tmp_path, "run", "steps=10", *layout)
+    assert complete_steps(tmp_path / "run") == [10]
     logs.clear()
-    train(tmp_path, "run", "steps=20", "pipeline_parallelism=2")
+    train(tmp_path, "run", "steps=20", *layout)
     assert logs.resumes()[0].startswith("resuming run run from checkpoint step 10 (")
-    assert_bitwise(losses(tmp_path, "run"), losses(tmp_path, "full"), range(1, 21))
+    assert_bitwise(losses(tmp_path, "run"), pp4_full[1], range(1, 21))
 
 
 @pytest.mark.slow
@@ -398,6 +416,13 @@ def _checked_against(reference, rtol: float, steps: list):
     return build
 
 
+@pytest.fixture(scope="module")
+def pp4_reference(pp4_run):
+    """The pipeline_parallelism=4 trainer the layout tests check each step against: the one
+    `pp4_run` built and compiled (the reference only steps the states it is given)."""
+    return pp4_run[2]
+
+
 # One step from the same state in another layout: every loss and gradient entry is a sum over the
 # step's SMALL_MODEL_TOKENS tokens added in another order, Adam's `nu` holds squares of them
 # (`reordered_sum_rtol`, tests/compare.py). Steps are compared one at a time, each from the
@@ -424,15 +449,14 @@ ONE_STEP_RTOL = reordered_sum_rtol(SMALL_MODEL_TOKENS)
     ],
     ids=["pp2", "pp1", "fsdp4"],
 )
-def test_resume_on_another_layout(pp4_full, tmp_path, layout, rtol, logs, monkeypatch):
+def test_resume_on_another_layout(
+    pp4_full, pp4_reference, tmp_path, layout, rtol, logs, monkeypatch
+):
     """Saved at pipeline_parallelism=4 step 10, resumed elsewhere: each of steps 11-20 agrees
     with the pipeline_parallelism=4 step from the same state and batch (bitwise, or within
     `rtol`), and step 11, from the restored state, is the uninterrupted run's step 11 exactly."""
     base, full = pp4_full
-    config = load_config(argv(tmp_path, "reference", "steps=20", "pipeline_parallelism=4"))
-    reference = build_trainer(
-        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
-    )
+    reference = pp4_reference
     checked: list = []
     monkeypatch.setattr(
         checkpoint_train, "build_trainer", _checked_against(reference, rtol, checked)
