@@ -60,17 +60,19 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     built = {}
 
-    def get(family: str):
-        if family not in built:
+    def get(family: str, **more):
+        key = (family, *sorted(more.items()))
+        if key not in built:
             overrides, _, seed, embed_std = FAMILIES[family]
-            cfg = hf_config(family, **overrides)
+            cfg = hf_config(family, **{**overrides, **more})
             tensors = random_tensors(cfg, seed, embed_std)
-            hf = write_folder(root / family, cfg, tensors)
-            out = root / f"{family}_ckpt"
+            name = "_".join(f"{k}{v}" for k, v in [("", family), *sorted(more.items())])
+            hf = write_folder(root / name, cfg, tensors)
+            out = root / f"{name}_ckpt"
             argv = [BASE, f"hf_model_path={hf}", f"base_output_directory={out}"]
             assert to_maxtext(argv) == 0
-            built[family] = (cfg, tensors, out / "0" / "items")
-        return built[family]
+            built[key] = (cfg, tensors, out / "0" / "items")
+        return built[key]
 
     return get
 
@@ -116,21 +118,27 @@ def test_logits_equal_float64_reference_in_every_layout(converted, family):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL, err_msg=" ".join(keys))
 
 
+# The training test's models: 4 layers (Gemma 2: 5, so its stages are uneven and a stage's
+# local/global pattern starts mid-model) for 4 pipeline stages.
+PP4_LAYERS = {"mistral": 4, "qwen2": 4, "qwen3": 4, "gemma2": 5}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_first_training_step_loss_at_pp2_default_keys(converted, tmp_path, family):
-    """One step of train.py from the converted checkpoint at pipeline_parallelism=2 with the
+def test_first_training_step_loss_at_pp4_default_keys(converted, tmp_path, family):
+    """One step of train.py from the converted checkpoint at pipeline_parallelism=4 with the
     default keys otherwise (scanned layers, 1f1b, checkpointing on): its loss is the
-    reference's on the same batch. The checkpoint it saves (stage stacks on disk as one layer
+    reference's on the same batch (a layer that took another layer's window, norm or weights
+    in its stage would change it). The checkpoint it saves (stage stacks on disk as one layer
     each) reads back bitwise into the unrolled and the scanned one-stage layouts, and holds
     trained values (not the converted ones)."""
     from MaxText.data import make_data
     from MaxText.train import main as train
 
-    cfg, tensors, items = converted(family)
+    cfg, tensors, items = converted(family, num_hidden_layers=PP4_LAYERS[family])
     argv = [
         BASE, f"load_parameters_path={items}", "dataset_type=synthetic", "max_target_length=16",
         "global_batch_size=8", "steps=1", "log_period=1", "eval_interval=0",
-        "enable_progress_bar=false", "enable_tensorboard=false", "pipeline_parallelism=2",
+        "enable_progress_bar=false", "enable_tensorboard=false", "pipeline_parallelism=4",
         f"base_output_directory={tmp_path}", "run_name=ft",
     ]  # fmt: skip
     assert train(argv) == 0
