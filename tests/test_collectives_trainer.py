@@ -24,6 +24,7 @@ from compare import reordered_sum_rtol
 from small_model import SMALL_MODEL_SHAPE, merged
 from test_collectives_auto import _watch_inputs
 from test_train import assert_steps_agree, make_batches, stepped_alike
+from trainer_checks import fsdp_scatters_per_microbatch as _fsdp_scatters_per_microbatch
 
 from jaxpp_integration.tools.collectives import program_collectives, task_collectives
 from MaxText import sharding
@@ -136,18 +137,6 @@ def _fsdp_leaves_per_group(trainer, state):
         spec = [a for e in leaf.sharding.spec for a in (e if isinstance(e, tuple) else (e,))]
         counts[group] += "fsdp" in spec
     return counts
-
-
-def _fsdp_scatters_per_microbatch(state) -> int:
-    """Reduce-scatters over fsdp one microbatch's backward makes (read off the state): one per
-    layer of every fsdp-sharded weight stacked for a stage's layer scan (`layers_stage_<s>`,
-    leading axis = layer), one per other fsdp-sharded weight."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state["params"])[0]:
-        spec = [a for e in leaf.sharding.spec for a in (e if isinstance(e, tuple) else (e,))]
-        if "fsdp" in spec:
-            total += leaf.shape[0] if str(path[0].key).startswith("layers_stage_") else 1
-    return total
 
 
 @pytest.mark.slow

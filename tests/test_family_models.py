@@ -28,6 +28,7 @@ from family_reference import (
     reference_logits,
 )
 from family_reference import write_hf_folder as write_folder
+from hf_round_trip import assert_float32_export_bitwise
 
 from MaxText import sharding
 from MaxText.checkpoint import manager
@@ -170,17 +171,9 @@ def test_round_trip_is_bitwise_and_config_json_comes_back(converted, tmp_path, f
     """HF -> ours -> HF: every tensor bitwise, and config.json equal to the source key by key
     except `torch_dtype`, which follows hf_output_dtype (bfloat16 here, the source says
     float32: the one intended difference)."""
-    from safetensors.numpy import load_file
-
     cfg, tensors, items = converted(family)
     out = tmp_path / "export"
-    argv = [BASE, f"load_parameters_path={items}", f"hf_output_path={out}"]
-    assert to_huggingface([*argv, "hf_output_dtype=float32"]) == 0
-    got = load_file(str(out / "model.safetensors"))
-    assert sorted(got) == sorted(tensors)
-    for name, want in tensors.items():
-        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
-        np.testing.assert_array_equal(got[name].view(np.uint32), want.view(np.uint32))
+    assert_float32_export_bitwise(items, out, tensors)
     written = json.loads((out / "config.json").read_text())
     assert written == cfg  # float32 export of a float32 source: no difference at all
 

@@ -30,10 +30,11 @@ from hf_reference import (
     reference_logits,
     write_hf_folder,
 )
+from hf_round_trip import greedy_with_and_without_cache
 
 from MaxText.checkpoint import manager
 from MaxText.config import CONFIGS_DIR, ConfigError, load_config
-from MaxText.generate import abstract_params, sample_tokens
+from MaxText.generate import abstract_params
 from MaxText.model import Decoder
 from MaxText.model.rope import rope_frequencies
 from MaxText.to_huggingface import main as to_huggingface
@@ -159,12 +160,8 @@ def test_checkpoint_keys_sit_between_base_and_command_line(models):
 
 def test_greedy_generation_equals_reference_and_the_uncached_loop(models):
     cfg, tensors, items = models["untied"]
-    keys = ["max_prefill_predict_length=8", "max_predict_length=20", "scan_layers=false"]
-    config = load_config([BASE, f"load_parameters_path={items}", *keys])
-    params, _ = manager.load_params(items, abstract_params(config), config)
     prompt = [5, 17, 33, 2]
-    cached = sample_tokens(config, params, prompt, vocab_limit=96)
-    uncached = sample_tokens(config, params, prompt, vocab_limit=96, kv_cache=False)
+    cached, uncached = greedy_with_and_without_cache(items, prompt, vocab_limit=96)
     ids = np.zeros((1, 20), np.int64)  # one fixed shape: right padding is causally invisible
     ids[0, : len(prompt)] = prompt
     margins = []

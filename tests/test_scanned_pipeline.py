@@ -22,6 +22,7 @@ from compare import (
     reordered_sum_rtol,
 )
 from small_model import SMALL_MODEL, SMALL_MODEL_TOKENS, merged
+from trainer_checks import random_batches as batches
 
 from MaxText import sharding
 from MaxText.checkpoint.layout import CanonicalLayout, canonical_tree, numpy_stack
@@ -48,17 +49,6 @@ def build(tmp_path, *overrides):
     return config, build_trainer(
         config, sharding.make_mesh(config, devices.setup(**config.device_args()))
     )
-
-
-def batches(config, n, seed=0):
-    rng = np.random.default_rng(seed)
-    b, length = config.global_batch_size, config.max_target_length
-    out = []
-    for _ in range(n):
-        x = rng.integers(0, config.vocab_size, (b, length + 1)).astype(np.int32)
-        mask = (rng.random((b, length)) > 0.2).astype(np.float32)
-        out.append({"inputs": x[:, :-1], "targets": x[:, 1:], "targets_mask": mask})
-    return out
 
 
 def canonical(params):

@@ -20,6 +20,16 @@ QK_NORM_TENSORS = (
 )  # fmt: skip
 # Llama's rows with the two norms after the key projection (the order of Hugging Face's files).
 QWEN3_TENSORS = LLAMA_TENSORS[:4] + QK_NORM_TENSORS + LLAMA_TENSORS[4:]
+# Qwen 3's attention in config.json, shared with Qwen3-MoE (`qwen3_moe.py`): the fields this
+# model refuses (one line each) and the values it writes.
+QWEN3_ATTENTION_ACCEPTED = {
+    "attention_bias": ((False, None), "Qwen 3's attention_bias adds biases to q, k, v "
+                       "and o, which no released checkpoint has and this model does not"),
+    "use_sliding_window": ((False, None), "sliding-window Qwen 3 is not a model here "
+                           "(no released checkpoint uses it)"),
+}  # fmt: skip
+QWEN3_ATTENTION_TEMPLATE = {"attention_bias": False, "use_sliding_window": False,
+                            "sliding_window": None}  # fmt: skip
 
 FAMILY = Family(
     name="qwen3",
@@ -31,13 +41,9 @@ FAMILY = Family(
         fixed=plain_except(use_qk_norm=True),
         defaults={"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
         accepted={
-            "attention_bias": ((False, None), "Qwen 3's attention_bias adds biases to q, k, v "
-                               "and o, which no released checkpoint has and this model does not"),
-            "use_sliding_window": ((False, None), "sliding-window Qwen 3 is not a model here "
-                                   "(no released checkpoint uses it)"),
+            **QWEN3_ATTENTION_ACCEPTED,
             "hidden_act": (("silu", None), "Qwen 3's MLP is SwiGLU (silu)"),
         },
-        template={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
-                  "sliding_window": None},
+        template={"hidden_act": "silu", **QWEN3_ATTENTION_TEMPLATE},
     ),
 )  # fmt: skip

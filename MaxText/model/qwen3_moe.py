@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from MaxText.model.family import COMMON_FIELDS, Family, HfFormat, TensorRow, plain_except
 from MaxText.model.moe import MoeBlock
-from MaxText.model.qwen3 import QWEN3_TENSORS
+from MaxText.model.qwen3 import QWEN3_ATTENTION_ACCEPTED, QWEN3_ATTENTION_TEMPLATE, QWEN3_TENSORS
 
 _LAYER = "model.layers.{i}."
 QWEN3_MOE_TENSORS = (
@@ -48,15 +48,11 @@ FAMILY = Family(
                                 "mlp_only_layers lists dense-MLP layers, which this model lacks"),
             "decoder_sparse_step": ((1, None), "every layer is a mixture of experts here; "
                                     "decoder_sparse_step > 1 makes the others dense MLPs"),
-            "attention_bias": ((False, None), "Qwen 3's attention_bias adds biases to q, k, v "
-                               "and o, which no released checkpoint has and this model does not"),
-            "use_sliding_window": ((False, None), "sliding-window Qwen 3 is not a model here "
-                                   "(no released checkpoint uses it)"),
+            **QWEN3_ATTENTION_ACCEPTED,
             "hidden_act": (("silu", None), "Qwen3-MoE's experts are SwiGLU (silu)"),
         },
-        template={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
-                  "sliding_window": None, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                  "output_router_logits": False},
+        template={"hidden_act": "silu", **QWEN3_ATTENTION_TEMPLATE, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "output_router_logits": False},
         # Qwen3MoeConfig's defaults (transformers, the commit above)
         defaults={"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                   "norm_topk_prob": False, "num_experts": 128, "num_experts_per_tok": 8,
