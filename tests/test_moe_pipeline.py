@@ -36,6 +36,7 @@ from compare import (
     reordered_sum_rtol,
 )
 from small_model import SMALL_MODEL_SHAPE, merged
+from trainer_checks import fsdp_scatters_per_microbatch, random_batches
 
 from jaxpp_integration.schedules.builtin import SCHEDULE_NAMES
 from jaxpp_integration.tools.collectives import program_collectives, task_collectives
@@ -72,11 +73,23 @@ def moe_config(tmp_path, *overrides):
     )
 
 
+# Keys that change where the step runs (the mesh) or the order of its tasks (the schedule), not
+# the step function: the reference, `jax.jit` of that function on one device, is the same for
+# layouts differing only in them (checked when this was written: pp2 x ep2 under 1F1B, GPipe and
+# eager 1F1B, x data 2 and x fsdp 2 lower to one StableHLO text; interleaved 1F1B and DualPipeV
+# at 2 repeats to another), so those layouts share one jitted reference and trace it once. The
+# stage layout (`pipeline_stage_layers`, `num_pipeline_repeats`) names the state's leaves and
+# stays in the key.
+NOT_THE_STEP_FUNCTION = ("ici_data_parallelism=", "ici_fsdp_parallelism=", "pipeline_schedule=")
+
+
 @pytest.fixture(scope="module")
 def trainers(tmp_path_factory):
-    """Builds each layout's trainer once for the whole file."""
+    """Builds each layout's trainer once for the whole file; `trainers.reference(*overrides)`
+    is the `jax.jit` reference of its step (one per step function, `NOT_THE_STEP_FUNCTION`)."""
     root = tmp_path_factory.mktemp("moe_pipeline")
     built: dict = {}
+    references: dict = {}
 
     def get(*overrides):
         if overrides not in built:
@@ -85,18 +98,16 @@ def trainers(tmp_path_factory):
             built[overrides] = (config, build_trainer(config, mesh))
         return built[overrides]
 
+    def reference(*overrides):
+        key = tuple(o for o in overrides if not o.startswith(NOT_THE_STEP_FUNCTION))
+        if key not in references:
+            config, t = get(*overrides)
+            step = make_train_step(config, t.model, t.optimizer, t.lr_schedule)
+            references[key] = jax.jit(step)
+        return references[key]
+
+    get.reference = reference
     return get
-
-
-def batches(config, n, seed=0):
-    rng = np.random.default_rng(seed)
-    b, length = config.global_batch_size, config.max_target_length
-    out = []
-    for _ in range(n):
-        x = rng.integers(0, config.vocab_size, (b, length + 1)).astype(np.int32)
-        mask = (rng.random((b, length)) > 0.2).astype(np.float32)
-        out.append({"inputs": x[:, :-1], "targets": x[:, 1:], "targets_mask": mask})
-    return out
 
 
 def assert_same_step(want_state, want_metrics, state, metrics, what):
@@ -108,16 +119,15 @@ def assert_same_step(want_state, want_metrics, state, metrics, what):
     assert_close_per_leaf(want_state, state, STEP_RTOL, f"{what} state ")
 
 
-def run_against_jit(config, trainer, steps=3):
-    """Steps the pipelined trainer `steps` times and, before each step, `jax.jit` of its step
-    function on one device from the same input state; returns the pipelined metrics of every
-    step."""
-    reference = jax.jit(
-        make_train_step(config, trainer.model, trainer.optimizer, trainer.lr_schedule)
-    )
+def run_against_jit(trainers, overrides, steps=3):
+    """Steps the pipelined trainer of `overrides` `steps` times and, before each step, `jax.jit`
+    of its step function on one device from the same input state; returns the pipelined metrics
+    of every step."""
+    config, trainer = trainers(*overrides)
+    reference = trainers.reference(*overrides)
     template = trainer.init_state()  # placement of each leaf
     state, seen = host(template), []
-    for i, batch in enumerate(batches(config, steps)):
+    for i, batch in enumerate(random_batches(config, steps)):
         want_state, want_metrics = host(reference(state, batch))
         got = trainer.train_step(put_like(template, state), trainer.put_batch(batch))
         state, metrics = host(got)
@@ -138,7 +148,7 @@ def test_pipelined_moe_step_equals_jit(trainers, layout):
     config, trainer = trainers(*layout)
     assert config.scan_layers and config.gradient_reduction == "auto"
     assert config.stage_layers == (2, 2) and config.mesh_expert == 2
-    metrics = run_against_jit(config, trainer)
+    metrics = run_against_jit(trainers, layout)
     tokens = config.global_batch_size * config.max_target_length
     for m in metrics:
         assert m["moe_tokens_per_expert_mean"] == tokens * K / E
@@ -195,18 +205,6 @@ def test_all_to_alls_and_reductions_per_task(trainers):
 PP2_EP2_FSDP2 = (*PP2_EP2, "ici_fsdp_parallelism=2")
 
 
-def _fsdp_scatters_per_microbatch(state) -> int:
-    """Reduce-scatters over fsdp one microbatch's backward makes (read off the state): one per
-    layer of every fsdp-sharded weight stacked for a stage's layer scan (`layers_stage_<s>`,
-    leading axis = layer; the expert weights among them), one per other fsdp-sharded weight."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state["params"])[0]:
-        spec = [a for e in leaf.sharding.spec for a in (e if isinstance(e, tuple) else (e,))]
-        if "fsdp" in spec:
-            total += leaf.shape[0] if str(path[0].key).startswith("layers_stage_") else 1
-    return total
-
-
 def test_moe_with_fsdp_scatters_each_layer_over_fsdp_only(trainers):
     """pp=2 x ep=2 x fsdp=2, default keys: the expert weights are split over expert and fsdp
     ([layers, E / ep, D / fsdp, F]); inside each backward task every fsdp-sharded weight's
@@ -228,7 +226,7 @@ def test_moe_with_fsdp_scatters_each_layer_over_fsdp_only(trainers):
     wi = state["params"]["layers_stage_0"]["mlp"]["wi_0"]
     assert wi.sharding.spec[1:3] == ("expert", "fsdp"), wi.sharding.spec
     m = config.num_pipeline_microbatches
-    per_microbatch = _fsdp_scatters_per_microbatch(state)
+    per_microbatch = fsdp_scatters_per_microbatch(state)
     assert per_microbatch == 2 * (2 * 8 + 1)  # 8 stacked weights x 2 layers + embedding / head
     loop = lambda kind, axes=None: sum(  # noqa: E731
         task_collectives(compiled, p, kind, axes) for p in ("fwd_", "bwd_")
@@ -241,7 +239,7 @@ def test_moe_with_fsdp_scatters_each_layer_over_fsdp_only(trainers):
     plan = cost_model.plan_compiled(config, cpu_hardware(8), compiled, trainer.abstract_state)
     for g in plan.groups:  # one shard of every weight per device, not full-size partials
         assert g.params_bytes <= g.grad_bytes <= g.params_bytes + 64, g
-    run_against_jit(config, trainer, steps=2)
+    run_against_jit(trainers, PP2_EP2_FSDP2, steps=2)
 
 
 def test_expert_weights_live_on_their_expert_shard(trainers):
@@ -250,7 +248,8 @@ def test_expert_weights_live_on_their_expert_shard(trainers):
     the E / ep experts of its `expert` coordinate, the same on both data replicas; the router and
     attention weights whole on every device of the group."""
     config, trainer = trainers(*PP2_EP2_DATA2)
-    state, _ = trainer.train_step(trainer.init_state(), trainer.put_batch(batches(config, 1)[0]))
+    batch = trainer.put_batch(random_batches(config, 1)[0])
+    state, _ = trainer.train_step(trainer.init_state(), batch)
     ep, per = config.mesh_expert, E // config.mesh_expert
     mesh = trainer.mpmd_mesh
     found = 0
@@ -304,8 +303,8 @@ def test_every_schedule_runs_moe_stages(trainers, schedule):
     anywhere between layers (3 + 1 layers; 4 one-layer virtual stages): one step as `jax.jit` of
     the same step."""
     assert {"1f1b", *SCHEDULES} == set(SCHEDULE_NAMES)
-    config, trainer = trainers(*PP2_EP2, f"pipeline_schedule={schedule}", *SCHEDULES[schedule])
-    run_against_jit(config, trainer, steps=1)
+    run_against_jit(trainers, (*PP2_EP2, f"pipeline_schedule={schedule}", *SCHEDULES[schedule]),
+                    steps=1)  # fmt: skip
 
 
 # ------------------------------------------------------------------ the load-balancing loss
@@ -323,7 +322,7 @@ def test_router_gradient_of_the_lm_loss_alone_when_the_weight_is_0(tmp_path):
     for weight in (0.0, 0.02):
         config = moe_config(tmp_path, "num_decoder_layers=2", f"load_balance_loss_weight={weight}")
         model = Decoder(config)
-        batch = batches(config, 1)[0]
+        batch = random_batches(config, 1)[0]
         shapes = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"][:1])["params"]
         rng = np.random.default_rng(0)  # random values without compiling an initialisation
         params = jax.tree.map(lambda s, rng=rng: rng.normal(0, 0.2, s.shape).astype(s.dtype),
