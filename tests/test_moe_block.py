@@ -265,17 +265,26 @@ def _split_run(config, params, x, cotangent):
     return y, stats, grads, compiled.as_text(), placed, mesh
 
 
+@pytest.fixture(scope="module")
+def unsplit(case):
+    """(cotangent, output, routing statistics, gradients) of the block on one device, computed
+    once for every layout's comparison."""
+    _, params, x = case
+    c = jnp.asarray(np.random.default_rng(4).normal(size=(B, L, D)), jnp.float32)
+    one = _config()
+    y1, s1 = jax.jit(functools.partial(_apply, one))(params, x)
+    g1 = jax.jit(jax.grad(functools.partial(_loss, one, c), argnums=(0, 1)))(params, x)
+    return c, y1, s1, g1
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_split_block_equals_one_device(case, layout):
+def test_split_block_equals_one_device(case, unsplit, layout):
     """Output, routing statistics and gradients at every layout equal the unsplit block's, with
     exactly 2 all-to-alls forward and 2 backward when experts are split, and each expert's weights
     on its own devices."""
     _, params, x = case
     config = _config(*LAYOUTS[layout])
-    c = jnp.asarray(np.random.default_rng(4).normal(size=(B, L, D)), jnp.float32)
-    one = _config()
-    y1, s1 = jax.jit(functools.partial(_apply, one))(params, x)
-    g1 = jax.jit(jax.grad(functools.partial(_loss, one, c), argnums=(0, 1)))(params, x)
+    c, y1, s1, g1 = unsplit
     y, stats, grads, text, placed, mesh = _split_run(config, params, x, c)
     assert_close_per_leaf(np.asarray(y1), np.asarray(y), RTOL, layout)
     np.testing.assert_array_equal(np.asarray(s1[0]), np.asarray(stats[0]))

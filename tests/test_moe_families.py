@@ -30,14 +30,18 @@ from family_reference import (
     router_margin,
     write_hf_folder,
 )
+from hf_round_trip import (
+    GREEDY_LENGTH,
+    assert_float32_export_bitwise,
+    greedy_with_and_without_cache,
+)
 
 from MaxText.checkpoint import manager
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.config.checkpoint_keys import MODEL_KEYS
 from MaxText.convert.hf_config import model_keys
-from MaxText.generate import abstract_params, sample_tokens
+from MaxText.generate import abstract_params
 from MaxText.model import Decoder
-from MaxText.to_huggingface import main as to_huggingface
 from MaxText.to_maxtext import main as to_maxtext
 
 BASE = str(CONFIGS_DIR / "base.yml")
@@ -104,16 +108,12 @@ def test_greedy_ids_equal_reference(converted, family):
     """Greedy generation with the KV cache and without equals the reference's argmax ids, each
     step's top-1 / top-2 logit gap >= 1e-3 (no near-tie) and every router gap >= 1e-3."""
     cfg, tensors, items = converted(family)
-    keys = ["max_prefill_predict_length=8", "max_predict_length=20", "scan_layers=false"]
-    config = load_config([BASE, f"load_parameters_path={items}", *keys])
-    params, _ = manager.load_params(items, abstract_params(config), config)
     prompt = [5, 17, 33, 2]
-    cached = sample_tokens(config, params, prompt, vocab_limit=64)
-    uncached = sample_tokens(config, params, prompt, vocab_limit=64, kv_cache=False)
-    ids = np.zeros((1, 20), np.int64)
+    cached, uncached = greedy_with_and_without_cache(items, prompt, vocab_limit=64)
+    ids = np.zeros((1, GREEDY_LENGTH), np.int64)
     ids[0, : len(prompt)] = prompt
     margins = []
-    for t in range(len(prompt), 20):
+    for t in range(len(prompt), GREEDY_LENGTH):
         logits, _ = reference(cfg, tensors, ids[:, :t])
         top2 = np.sort(logits[0, t - 1])[-2:]
         margins.append(top2[1] - top2[0])
@@ -126,17 +126,9 @@ def test_greedy_ids_equal_reference(converted, family):
 def test_round_trip_is_bitwise_and_config_json_comes_back(converted, tmp_path, family):
     """HF -> ours -> HF: every tensor (each expert's) bitwise, config.json equal to the source;
     the checkpoint alone brings every model key back."""
-    from safetensors.numpy import load_file
-
     cfg, tensors, items = converted(family)
     out = tmp_path / "export"
-    argv = [BASE, f"load_parameters_path={items}", f"hf_output_path={out}"]
-    assert to_huggingface([*argv, "hf_output_dtype=float32"]) == 0
-    got = load_file(str(out / "model.safetensors"))
-    assert sorted(got) == sorted(tensors)
-    for name, want in tensors.items():
-        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
-        np.testing.assert_array_equal(got[name].view(np.uint32), want.view(np.uint32))
+    assert_float32_export_bitwise(items, out, tensors)  # every tensor bitwise
     assert json.loads((out / "config.json").read_text()) == cfg
     config = load_config([BASE, f"load_parameters_path={items}"])
     from_json = model_keys(cfg)
