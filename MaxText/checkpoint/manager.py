@@ -136,7 +136,14 @@ def _open_manager(
         enable_async_checkpointing=not read_only,
         async_options=None
         if read_only
-        else ocp.AsyncOptions(post_finalization_callback=on_written),
+        else ocp.AsyncOptions(
+            post_finalization_callback=on_written,
+            # The step's folders are made in save() itself, not by a background future that the
+            # writing threads wait on: when making them fails, those threads would wait for a
+            # signal that never comes, for orbax's coordination timeout (5 minutes), and the
+            # process could not exit before (they are not daemon threads).
+            create_directories_asynchronously=False,
+        ),
         cleanup_tmp_directories=not read_only,
         create=not read_only,
         read_only=read_only,
