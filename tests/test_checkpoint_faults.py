@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -128,11 +129,16 @@ def run_trainer(*args: str, permissions_apply: bool = False) -> Finished:
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.PIPE, text=True
         )
         lines, last = [], time.monotonic()
-        for line in proc.stderr:  # ends when the process has exited (its end of the pipe closed)
-            lines.append(line)
-            last = time.monotonic()
-        returncode = proc.wait(timeout=900)
-        exited = time.monotonic()
+        timer = threading.Timer(900, proc.kill)  # a hung run fails the test, not the CI job
+        timer.start()
+        try:
+            for line in proc.stderr:  # ends when the process has exited (its pipe end closed)
+                lines.append(line)
+                last = time.monotonic()
+            returncode = proc.wait()
+            exited = time.monotonic()
+        finally:
+            timer.cancel()
         out.seek(0)
         return Finished(returncode, out.read(), "".join(lines), exited - last)
 
