@@ -10,9 +10,7 @@ from test_multihost import _launch
 
 from jaxpp_integration.runtime.watchdog import HANG_EXIT_CODE
 
-HANG_TIMEOUT_S = (
-    2.0  # tests/multihost_worker.py's value in `stop` mode (a tiny step's task takes ms)
-)
+HANG_TIMEOUT_S = 5.0  # tests/multihost_worker.py's value in `stop` mode
 
 
 @pytest.mark.slow
@@ -43,4 +41,4 @@ def test_stopped_peer_makes_the_other_exit_with_its_position():
     line = next(x for x in out0.splitlines() if "jaxpp pipeline hang: process 0" in x)
     assert "instruction " in line and "microbatch" in line, line
     assert "waits on group 1, process 1" in line, line
-    assert f"pipeline_hang_timeout_s={HANG_TIMEOUT_S:g}" in line, line
+    assert "pipeline_hang_timeout_s=5" in line, line
