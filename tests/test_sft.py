@@ -148,13 +148,14 @@ def test_changing_every_prompt_target_leaves_the_loss(world):
     from MaxText.model import Decoder
     from MaxText.train_step import make_eval_step
 
+    # One loss program for both keys: the key changes the batches' masks (what the data
+    # pipeline writes), not the model or its loss function.
+    config = load_config(sft_keys(world))
+    params, _ = manager.load_params(world["ckpt"], abstract_params(config), config)
+    step = jax.jit(make_eval_step(Decoder(config)))
     sums, prompt = {}, None
     for completion_only in ("true", "false"):
-        argv = sft_keys(world, f"sft_train_on_completion_only={completion_only}")
-        config = load_config(argv)
-        params, _ = manager.load_params(world["ckpt"], abstract_params(config), config)
-        step = jax.jit(make_eval_step(Decoder(config)))
-        batch = first_batch(argv)
+        batch = first_batch(sft_keys(world, f"sft_train_on_completion_only={completion_only}"))
         if prompt is None:  # the rows are the same with either key; the masks differ
             prompt, trained = batch["targets_mask"] == 0, batch["targets_mask"].sum()
             assert prompt.sum() > trained > 0
