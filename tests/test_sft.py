@@ -62,6 +62,7 @@ def world(tmp_path_factory):
         "chats": chats,
         "hf": model["hf"],
         "masks": independent_masks(model["hf"], chats),
+        "logprobs": {},  # token ids -> float64 log-probabilities (reference_loss)
     }
 
 
@@ -96,9 +97,14 @@ def reference_loss(world, batch) -> tuple[float, int]:
     computed trained tokens (asserted equal to the batch's mask); (loss, trained tokens)."""
     total, count = 0.0, 0
     for r, where, ids in segments(batch):
-        mask = world["masks"][tuple(ids.tolist())][1:]  # KeyError: not one whole example
+        key = tuple(ids.tolist())
+        mask = world["masks"][key][1:]  # KeyError: not one whole example
         np.testing.assert_array_equal(batch["targets_mask"][r, where], mask)
-        total -= float((target_logprobs(world["cfg"], world["tensors"], ids) * mask).sum())
+        # an example's float64 log-probabilities, computed once per module (the layouts' batches
+        # hold the same examples, packed or one per row)
+        if key not in world["logprobs"]:
+            world["logprobs"][key] = target_logprobs(world["cfg"], world["tensors"], ids)
+        total -= float((world["logprobs"][key] * mask).sum())
         count += int(mask.sum())
     return total / count, count
 
