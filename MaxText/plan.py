@@ -10,7 +10,7 @@ optimizer state, gradient accumulators, peak activations, XLA temporaries and th
 (a GPU plan that does not fit by XLA:CPU's temporaries is judged by the per-layer bound where
 that is smaller, and says so: `MaxText.planning.layer_bound`);
 then the predicted step time, bubble and MFU, the stage split (even vs auto side by side) and the
-remat policy of each stage. A mixture of experts adds a line (`cost_model.describe_moe`) and is
+remat policy of each stage. A mixture of experts adds a line (`moe_report.describe_moe`) and is
 planned for a GPU preset with its GPU kernel (`moe_matmul=auto` is `ragged_dot` there).
 
 Exit code 0 when every group fits the hardware's memory, 1 with one line per group that does not
@@ -31,15 +31,10 @@ from MaxText import exit_codes
 from MaxText.cluster.compile_cache import compilation_cache
 from MaxText.cluster.output_paths import writable_file
 from MaxText.planning.auto import describe_remat, make_plan, resolve_schedule
-from MaxText.planning.cost_model import (
-    Plan,
-    byte_unit,
-    describe_gradients,
-    describe_moe,
-    format_bytes,
-)
-from MaxText.planning.hardware import GB, HARDWARE, cpu_hardware
+from MaxText.planning.cost_model import Plan, describe_gradients
+from MaxText.planning.hardware import GB, HARDWARE, byte_unit, cpu_hardware, format_bytes
 from MaxText.planning.layer_bound import describe as describe_bound
+from MaxText.planning.moe_report import describe_moe
 
 
 def format_plan(plan: Plan) -> str:

@@ -12,13 +12,14 @@ compiled on abstract inputs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.plan_rows import run_rows
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "plan_llama.json"
@@ -108,16 +109,7 @@ def run_row(name: str, keys: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default=None)
-    args = parser.parse_args()
-    results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    for name, keys in ROWS.items():
-        if args.only and args.only != name:
-            continue
-        results[name] = run_row(name, keys)
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(results, indent=1))
+    results = run_rows(ROWS, OUT, run_row)
     for r in results.values():
         print(f"## {r['name']} ({r['plan_seconds']} s)\n{r['text']}")
     print(table(results))

@@ -14,13 +14,14 @@ the cost model), so the results are committed as they come out of any machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.plan_rows import run_rows
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "plan_moe.json"
@@ -73,17 +74,7 @@ def chosen(results: dict, prefix: str) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default=None)
-    args = parser.parse_args()
-    results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    for name, keys in ROWS.items():
-        if args.only and args.only != name:
-            continue
-        results[name] = run_row(name, keys)
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(results, indent=1))
-    print(table(results))
+    print(table(run_rows(ROWS, OUT, run_row)))
 
 
 def table(results: dict) -> str:

@@ -376,6 +376,7 @@ def flax_logits(cfg: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -
     PyTorch-named `tensors` (kernels transposed to Flax's [in, out]); float32 logits [B, L, V].
     Both hard-code RoPE base 10000; Flax Mistral's mask (`triu(k=-W)`) attends W + 1 keys."""
     import jax
+    from hf_reference import flax_params
     from transformers import (
         FlaxGemmaForCausalLM,
         FlaxMistralForCausalLM,
@@ -387,25 +388,6 @@ def flax_logits(cfg: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -
             "gemma": (GemmaConfig, FlaxGemmaForCausalLM)}[family_of(cfg)]  # fmt: skip
     config = kind[0](**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     model = kind[1](config, _do_init=False)
-    layers = {}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        layers[str(i)] = {
-            "input_layernorm": {"weight": tensors[p + "input_layernorm.weight"]},
-            "post_attention_layernorm": {"weight": tensors[p + "post_attention_layernorm.weight"]},
-            "self_attn": {n: {"kernel": tensors[p + f"self_attn.{n}.weight"].T}
-                          for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            "mlp": {n: {"kernel": tensors[p + f"mlp.{n}.weight"].T}
-                    for n in ("gate_proj", "up_proj", "down_proj")},
-        }  # fmt: skip
-    params = {
-        "model": {
-            "embed_tokens": {"embedding": tensors["model.embed_tokens.weight"]},
-            "layers": layers,
-            "norm": {"weight": tensors["model.norm.weight"]},
-        },
-    }
-    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-    params["lm_head"] = {"kernel": head.T}  # unused by the model when tied
+    params = flax_params(tensors, cfg["num_hidden_layers"])
     run = jax.jit(lambda params, ids: model(ids, params=params).logits)
     return np.asarray(run(params, np.asarray(tokens)))

@@ -106,10 +106,12 @@ def write_hf_folder(
     return folder
 
 
-def flax_params(cfg, tensors: dict[str, np.ndarray]) -> dict:
-    """The FlaxLlamaForCausalLM parameter tree of PyTorch-named `tensors` (kernels `[in, out]`)."""
+def flax_params(tensors: dict[str, np.ndarray], num_layers: int) -> dict:
+    """The parameter tree of PyTorch-named `tensors` (kernels `[in, out]`) that transformers'
+    Llama-like Flax models take (FlaxLlamaForCausalLM, FlaxMistralForCausalLM and
+    FlaxGemmaForCausalLM name their weights alike)."""
     layers = {}
-    for i in range(cfg.num_hidden_layers):
+    for i in range(num_layers):
         p = f"model.layers.{i}."
         layers[str(i)] = {
             "input_layernorm": {"weight": tensors[p + "input_layernorm.weight"]},
@@ -144,7 +146,8 @@ def flax_logits(cfg, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.n
     if key not in _FLAX_RUNS:
         model = FlaxLlamaForCausalLM(cfg, _do_init=False)
         _FLAX_RUNS[key] = jax.jit(lambda params, ids: model(ids, params=params).logits)
-    return np.asarray(_FLAX_RUNS[key](flax_params(cfg, tensors), np.asarray(tokens)))
+    params = flax_params(tensors, cfg.num_hidden_layers)
+    return np.asarray(_FLAX_RUNS[key](params, np.asarray(tokens)))
 
 
 _FLAX_RUNS: dict = {}  # one jitted model per config

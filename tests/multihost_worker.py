@@ -19,6 +19,7 @@ of hanging. With `stop`, process 1 stops itself (SIGSTOP) after compiling and th
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -29,9 +30,10 @@ HANG_TIMEOUT_S = 5.0
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 1)
 heartbeat = 120 if mode == "stop" else 10
-if mode == "":  # compiles are counted: a fresh persistent cache shared by the two processes
-    import os
-
+if mode == "" or "MULTIHOST_CACHE_DIR" in os.environ:
+    # compiles are counted: a fresh persistent cache shared by the two processes; with `die`, the
+    # cache a counted run of the same schedule filled, if the test has one (what it tests comes
+    # after compiling)
     jax.config.update("jax_compilation_cache_dir", os.environ["MULTIHOST_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 else:

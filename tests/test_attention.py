@@ -135,18 +135,27 @@ def test_kernel_equals_dot_product_forward_and_gradients(name, block, segmented)
     another order (`reordered_sum_rtol`, tests/compare.py) of each leaf's scale."""
     q, k, v, segments = _qkv_and_segments()
     segments = segments if segmented else None
-    kernel = attention.kernel_for(name, block)
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, segments)))
-
-    ref = jax.jit(attention.dot_product)(q, k, v, segments)
-    got = jax.jit(kernel)(q, k, v, segments)
+    ref, ref_grads = _kernel_outputs("dot_product", 512, segmented)
+    got, got_grads = _kernel_outputs(name, block, segmented)
     rtol = 2 * reordered_sum_rtol(q.shape[1], squared=False)
     assert_close_per_leaf(ref, got, rtol=rtol)
-    ref_grads = jax.jit(jax.grad(loss(attention.dot_product), argnums=(0, 1, 2)))(q, k, v)
-    got_grads = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
     assert_close_per_leaf(ref_grads, got_grads, rtol=rtol)
+
+
+@functools.cache
+def _kernel_outputs(name: str, block: int, segmented: bool):
+    """A kernel's output and the gradients of q, k, v of sum(sin(output)) on
+    `_qkv_and_segments` (with its segments or causal only), once per module (dot_product's are
+    every kernel case's reference)."""
+    q, k, v, segments = _qkv_and_segments()
+    segments = segments if segmented else None
+    kernel = attention.kernel_for(name, block)
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(kernel(q, k, v, segments)))
+
+    out = jax.jit(kernel)(q, k, v, segments)
+    return out, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
 def _grad_temp_bytes(name: str, length: int) -> int:

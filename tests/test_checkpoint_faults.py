@@ -9,6 +9,9 @@ the run with one line and touch no checkpoint.
   newest checkpoint on disk, exit 1, older checkpoints byte for byte untouched; after space is
   freed the run resumes from that checkpoint. The default (async) save in a subprocess, whose
   whole stderr is checked; the synchronous one in this process;
+- a checkpoints folder that turns read-only before an async save: the same one line;
+- a process that printed its one-line error exits at once (`EXIT_AFTER_ERROR_S`): no background
+  thread of orbax keeps it alive;
 - the classification itself on the errors measured for each case (`integrity.classify`);
 - `load_parameters_path` to another run's damaged checkpoint: a config error that moves nothing
   and does not advise moving the other run's folder.
@@ -18,6 +21,7 @@ Runs use the trainer's default keys (scanned layers, async checkpointing) with t
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -25,6 +29,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +47,7 @@ from MaxText.errors import CheckpointError
 from MaxText.train import main
 
 REPO = Path(__file__).resolve().parent.parent
+WORKER = str(REPO / "tests" / "checkpoint_worker.py")
 MODEL = SMALL_MODEL_SHAPE  # the default layout: scanned layers
 COMMON = [
     *MODEL,
@@ -92,6 +100,66 @@ def logs():
     logger.removeHandler(handler)
 
 
+# The process must exit within this many seconds of printing its one-line error. A clean exit
+# (orbax's writes end, the interpreter shuts down) takes about 1 s here; a commit thread left
+# waiting for orbax's signal that the step's folder exists waits orbax's coordination timeout
+# (300 s) before the interpreter can exit. 60 s leaves room for a loaded CI box and stays far
+# below that timeout.
+EXIT_AFTER_ERROR_S = 60.0
+
+
+@dataclasses.dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    exit_after_last_line_s: float  # from the last stderr line read to the process's exit
+
+
+def run_trainer(*args: str, permissions_apply: bool = False) -> Finished:
+    """`python <args>` from the repository, stderr read line by line as it is written so that the
+    time between the last line (the error) and the process's exit is measured; with
+    `permissions_apply`, run where file permissions apply to it (as a normal user's would)."""
+    cmd = [sys.executable, *args]
+    if permissions_apply:
+        cmd = without_file_permission_override(cmd)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.PIPE, text=True
+        )
+        lines, last = [], time.monotonic()
+        timer = threading.Timer(900, proc.kill)  # a hung run fails the test, not the CI job
+        timer.start()
+        try:
+            for line in proc.stderr:  # ends when the process has exited (its pipe end closed)
+                lines.append(line)
+                last = time.monotonic()
+            returncode = proc.wait()
+            exited = time.monotonic()
+        finally:
+            timer.cancel()
+        out.seek(0)
+        return Finished(returncode, out.read(), "".join(lines), exited - last)
+
+
+def assert_one_line_save_failure(done: Finished, step: int, error: str, ckpts: Path) -> None:
+    """`done` failed saving `step` with `error` ("No space left on device (ENOSPC)"): exit 1, its
+    stderr's last line says so and names step 5 as the newest on disk, nothing else in stderr
+    looks like an error, and the process exited at once after that line."""
+    assert done.returncode == 1, done.stderr[-3000:]
+    err = done.stderr.splitlines()
+    head = f"I/O error: saving checkpoint step {step} failed: {error} at "
+    assert err[-1].startswith(head), err[-3:]
+    assert err[-1].endswith(
+        f"; the newest checkpoint on disk is step 5 ({ckpts / '5'}), a restart resumes from "
+        f"it; free space or fix the permissions of {ckpts} and run again"
+    )
+    # the rest of stderr is the trainer's own log lines: no traceback, no orbax noise
+    assert "Traceback" not in done.stderr and "Error" not in "\n".join(err[:-1])
+    assert done.exit_after_last_line_s < EXIT_AFTER_ERROR_S, done.exit_after_last_line_s
+
+
 def _biggest_file(step_dir: Path) -> Path:
     return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
@@ -130,16 +198,9 @@ def test_a_mode_000_file_is_not_damage_and_moves_nothing(full_run, tmp_path):
     locked = _biggest_file(tmp_path / "run" / "checkpoints" / "10" / "state")
     before = snapshot(tmp_path / "run")
     locked.chmod(0o000)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "MaxText.train", *argv(tmp_path, "run", "steps=12")]
     try:
-        done = subprocess.run(
-            without_file_permission_override(cmd),
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
+        done = run_trainer(
+            "-m", "MaxText.train", *argv(tmp_path, "run", "steps=12"), permissions_apply=True
         )
     finally:
         locked.chmod(0o644)
@@ -151,6 +212,7 @@ def test_a_mode_000_file_is_not_damage_and_moves_nothing(full_run, tmp_path):
         f"denied (EACCES) at {locked}; it is not damaged, so nothing was moved: fix the storage "
         f"or its permissions and run again"
     ), err[-3:]
+    assert done.exit_after_last_line_s < EXIT_AFTER_ERROR_S, done.exit_after_last_line_s
     assert not (tmp_path / "run" / checkpointing.CORRUPT_DIR).exists()
     assert snapshot(tmp_path / "run") == before  # no checkpoint moved, written or removed
 
@@ -159,23 +221,10 @@ def test_disk_full_during_an_async_save_is_one_line_and_the_run_resumes(full_run
     """The default async save of step 10 on a disk that filled up; then space is freed."""
     _, full = full_run
     with tmpfs(tmp_path / "disk", 20) as disk:
-        worker = str(REPO / "tests" / "checkpoint_worker.py")
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        cmd = [sys.executable, worker, f"fill:10:{disk}", *argv(disk, "run", "steps=10")]
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 1, done.stderr[-3000:]
-        assert "FILLED 10" in done.stdout
-        err = done.stderr.splitlines()
+        done = run_trainer(WORKER, f"fill:10:{disk}", *argv(disk, "run", "steps=10"))
         ckpts = disk / "run" / "checkpoints"
-        assert err[-1].startswith(
-            "I/O error: saving checkpoint step 10 failed: No space left on device (ENOSPC) at "
-        ), err[-3:]
-        assert err[-1].endswith(
-            f"; the newest checkpoint on disk is step 5 ({ckpts / '5'}), a restart resumes from "
-            f"it; free space or fix the permissions of {ckpts} and run again"
-        )
-        # the rest of stderr is the trainer's own log lines: no traceback, no orbax noise
-        assert "Traceback" not in done.stderr and "Error" not in "\n".join(err[:-1])
+        assert_one_line_save_failure(done, 10, "No space left on device (ENOSPC)", ckpts)
+        assert "FILLED 10" in done.stdout
         assert integrity.verify_checksums(ckpts / "5")
         before = snapshot(ckpts / "5")
 
@@ -195,31 +244,14 @@ def test_permission_denied_during_an_async_save_is_one_line(full_run, tmp_path):
     shutil.copytree(full_run[0] / "full" / "checkpoints" / "5", tmp_path / "run/checkpoints/5")
     ckpts = tmp_path / "run" / "checkpoints"
     before = snapshot(ckpts / "5")
-    worker = str(REPO / "tests" / "checkpoint_worker.py")
-    cmd = [sys.executable, worker, f"lock:10:{ckpts}", *argv(tmp_path, "run", "steps=10")]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     try:
-        done = subprocess.run(
-            without_file_permission_override(cmd),
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
+        done = run_trainer(
+            WORKER, f"lock:10:{ckpts}", *argv(tmp_path, "run", "steps=10"), permissions_apply=True
         )
     finally:
         ckpts.chmod(0o755)
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert_one_line_save_failure(done, 10, "Permission denied (EACCES)", ckpts)
     assert "LOCKED 10" in done.stdout
-    err = done.stderr.splitlines()
-    assert err[-1].startswith(
-        "I/O error: saving checkpoint step 10 failed: Permission denied (EACCES) at "
-    ), err[-3:]
-    assert err[-1].endswith(
-        f"; the newest checkpoint on disk is step 5 ({ckpts / '5'}), a restart resumes from "
-        f"it; free space or fix the permissions of {ckpts} and run again"
-    )
-    assert "Traceback" not in done.stderr and "Error" not in "\n".join(err[:-1])
     assert snapshot(ckpts / "5") == before
     assert sorted(p.name for p in ckpts.iterdir()) == ["5"]
 

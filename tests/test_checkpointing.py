@@ -8,7 +8,10 @@ restarted run's records replace the ones the killed process wrote after its last
 
 All runs share one small config (4 layers so pipeline_parallelism=4 has a layer per stage) at equal
 global batch (8) and microbatching (4), with `learning_rate_schedule_steps=20` so a run stopped
-at step 10 has the same schedule as the 20-step run it is compared with.
+at step 10 has the same schedule as the 20-step run it is compared with. SPMD runs use the
+default layout (scanned layers); the pipelined and cross-layout runs unrolled layers (`UNROLLED`:
+the layout bounds were measured with them, tests/small_model.py), so the on-disk tree is compared
+across both.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import numpy as np
 import pytest
 from compare import assert_bitwise as cmp_bitwise
 from compare import assert_close_per_leaf, host, put_like, reordered_sum_rtol
-from small_model import SMALL_MODEL, SMALL_MODEL_TOKENS, merged
+from small_model import SMALL_MODEL_SHAPE, SMALL_MODEL_TOKENS, merged
 
-from MaxText import sharding
+from MaxText import generate, sharding
 from MaxText import train as checkpoint_train
 from MaxText.checkpoint import manager as checkpointing
 from MaxText.checkpoint import restore as checkpoint_restore
@@ -44,7 +47,7 @@ from MaxText.train_step import build_trainer
 REPO = Path(__file__).resolve().parent.parent
 
 COMMON = [
-    *SMALL_MODEL,
+    *SMALL_MODEL_SHAPE,
     "dataset_type=synthetic",
     "num_pipeline_microbatches=4",
     "learning_rate_schedule_steps=20",
@@ -316,6 +319,8 @@ def test_checkpoint_of_another_model_is_a_config_error(spmd_full, tmp_path, caps
 
 # ------------------------------------------------------------------------ pipelined and layouts
 
+UNROLLED = ("scan_layers=false",)
+
 
 @pytest.fixture(scope="module")
 def pp4_run(tmp_path_factory):
@@ -330,7 +335,7 @@ def pp4_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checkpoint_train, "build_trainer", build)
-        train(base, "full", "steps=20", "pipeline_parallelism=4", "checkpoint_period=10")
+        train(base, "full", "steps=20", *UNROLLED, "pipeline_parallelism=4", "checkpoint_period=10")
     (trainer,) = built
     return base, losses(base, "full"), trainer
 
@@ -344,7 +349,7 @@ def pp4_full(pp4_run):
 def test_resume_pipelined_is_bitwise(pp4_full, tmp_path, logs):
     """pipeline_parallelism=4 stopped at step 10 and resumed: steps 1-20 bitwise the
     uninterrupted run's (`pp4_full`, the same keys)."""
-    layout = ("pipeline_parallelism=4", "checkpoint_period=10")
+    layout = (*UNROLLED, "pipeline_parallelism=4", "checkpoint_period=10")
     train(tmp_path, "run", "steps=10", *layout)
     assert complete_steps(tmp_path / "run") == [10]
     logs.clear()
@@ -355,7 +360,8 @@ def test_resume_pipelined_is_bitwise(pp4_full, tmp_path, logs):
 
 @pytest.mark.slow
 def test_on_disk_tree_does_not_depend_on_the_layout(spmd_full, pp4_full):
-    """Same names, global shapes and dtypes from SPMD and from 4 pipeline groups."""
+    """Same names, global shapes and dtypes from SPMD (scanned layers) and from 4 pipeline groups
+    (unrolled layers)."""
 
     def signature(step_dir: Path) -> dict:
         import orbax.checkpoint as ocp
@@ -462,7 +468,7 @@ def test_resume_on_another_layout(
         checkpoint_train, "build_trainer", _checked_against(reference, rtol, checked)
     )
     copy_checkpoint(base / "full", 10, tmp_path / "run")
-    train(tmp_path, "run", "steps=20", *layout)
+    train(tmp_path, "run", "steps=20", *UNROLLED, *layout)
     line = logs.resumes()[0]
     assert line.startswith("resuming run run from checkpoint step 10 (")
     assert "layout changed: " in line and "ici_pipeline_parallelism 4 -> " in line
@@ -550,7 +556,9 @@ def test_kill_during_async_save_resumes_from_previous(spmd_full, tmp_path, logs,
 
 
 @pytest.mark.slow
-def test_generate_prints_text_from_the_latest_checkpoint(tmp_path):
+def test_generate_prints_text_from_the_latest_checkpoint(tmp_path, capsys, logs):
+    """Generation from the run's newest checkpoint, in this process (generate puts the parameters
+    on one device whatever the process has: the 8 emulated ones here)."""
     text_run = [
         "dataset_type=text",
         "vocab_size=512",
@@ -559,13 +567,10 @@ def test_generate_prints_text_from_the_latest_checkpoint(tmp_path):
         "checkpoint_period=3",
     ]
     train(tmp_path, "shakespeare", *text_run)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)  # generation needs one device
-    proc = subprocess.run(
+    capsys.readouterr()
+    logs.clear()
+    code = generate.main(
         [
-            sys.executable,
-            "-m",
-            "MaxText.generate",
             str(CONFIGS_DIR / "base.yml"),
             f"base_output_directory={tmp_path}",
             "run_name=shakespeare",
@@ -573,14 +578,10 @@ def test_generate_prints_text_from_the_latest_checkpoint(tmp_path):
             "max_prefill_predict_length=8",
             "max_predict_length=24",
             "decode_sampling_strategy=topk",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("ROMEO:") and len(proc.stdout.strip()) > len("ROMEO:")
+    out = capsys.readouterr().out
+    assert code == 0, logs.messages()
+    assert out.startswith("ROMEO:") and len(out.strip()) > len("ROMEO:")
     step_dir = tmp_path / "shakespeare" / "checkpoints" / "6"
-    assert f"generated from checkpoint step 6 ({step_dir}) with topk decoding" in proc.stderr
+    assert f"generated from checkpoint step 6 ({step_dir}) with topk decoding" in logs.messages()

@@ -23,6 +23,7 @@ from small_model import SMALL_MODEL_SHAPE, merged
 
 from MaxText import sharding
 from MaxText.cluster import devices
+from MaxText.cluster.compile_cache import compilation_cache
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder
 from MaxText.optimizer import make_optimizer
@@ -80,17 +81,43 @@ def config_of(stages: int, layers: int, *extra):
     )
 
 
-def compile_step(config):
-    """The trainer's pipelined step compiled on abstract inputs (as the planner does)."""
+def compile_step(config, cache_dir: str = ""):
+    """The trainer's pipelined step compiled on abstract inputs (as the planner does); with
+    `cache_dir`, written to a persistent compilation cache there (the caller's own: nothing is
+    read from it that was not compiled in this module)."""
     mesh = sharding.make_mesh(config, devices.setup(**config.device_args()))
     model = Decoder(config)
     optimizer, lr = make_optimizer(config)
     abstract, specs = state_specs(config, model, optimizer)
     fn = pipelined_train_step(config, model, optimizer, lr, specs, sharding.make_mpmd_mesh(mesh))
     jax.clear_caches()
-    with real_compiles() as seen, sharding.axis_rules():
+    cache = compilation_cache(cache_dir) if cache_dir else contextlib.nullcontext()
+    with cache, real_compiles() as seen, sharding.axis_rules():
         compiled = fn.compile(abstract, batch_shapes(config))
     return compiled, seen
+
+
+@pytest.fixture(scope="module")
+def step_cache(tmp_path_factory) -> str:
+    """This module's own persistent compilation cache, for the 4 stages x 8 layers step: written
+    by its counted compile (empty before it, so every compile there is still a real one), read
+    by the trainer of the bitwise test, which builds the same step."""
+    return str(tmp_path_factory.mktemp("compile_blocks_cache"))
+
+
+@pytest.fixture(scope="module")
+def compiled_steps(step_cache):
+    """(stages, layers) -> `compile_step(config_of(stages, layers))`, compiled once per module:
+    the compile counted by the compile test is the program the after-loop test runs parts of."""
+    done: dict = {}
+
+    def get(stages: int, layers: int):
+        if (stages, layers) not in done:
+            cache = step_cache if (stages, layers) == (4, 8) else ""
+            done[stages, layers] = compile_step(config_of(stages, layers), cache)
+        return done[stages, layers]
+
+    return get
 
 
 def expected_programs(stages: int) -> list[str]:
@@ -129,13 +156,14 @@ def expected_programs(stages: int) -> list[str]:
 
 
 @pytest.mark.parametrize("stages, layers", [(4, 8), (8, 8), (4, 32)])
-def test_layer_block_compiles_once_for_forward_and_once_for_backward(stages, layers):
+def test_layer_block_compiles_once_for_forward_and_once_for_backward(
+    compiled_steps, stages, layers
+):
     """4 or 8 stages of 2 or 8 layers: exactly two compiled modules hold a layer scan (the
     block's forward and backward), and the compiles are the same 18 distinct programs in every
     configuration; every other group's copy of a shared program is loaded, not compiled."""
-    config = config_of(stages, layers)
-    assert config.stage_layers == (layers // stages,) * stages
-    compiled, seen = compile_step(config)
+    assert config_of(stages, layers).stage_layers == (layers // stages,) * stages
+    compiled, seen = compiled_steps(stages, layers)
     loops = sorted(name for name, has_loop in seen if has_loop)
     assert loops == ["bwd_layers", "fwd_layers"], seen
     # besides the tasks: the middle groups' gradient accumulators, made on their devices by one
@@ -163,14 +191,19 @@ def test_uneven_stages_compile_once_per_layer_count():
     ]
 
 
-def test_four_stages_step_is_bitwise_and_each_stack_on_its_group(tmp_path):
+def test_four_stages_step_is_bitwise_and_each_stack_on_its_group(
+    compiled_steps, step_cache, tmp_path
+):
     """The trainer at 4 stages x 2 layers: two steps bitwise equal to `jax.jit` of the same step
     function (parameters, both Adam moments, metrics), each stage's stacked weights and
-    moments on its own group only."""
+    moments on its own group only. (The step's task programs are read from `step_cache`, where
+    the compile test's 4 x 8 compile wrote them.)"""
+    compiled_steps(4, 8)
     config = config_of(4, 8, f"base_output_directory={tmp_path}")  # (the others write nothing)
-    trainer = build_trainer(
-        config, sharding.make_mesh(config, devices.setup(**config.device_args()))
-    )
+    with compilation_cache(step_cache):
+        trainer = build_trainer(
+            config, sharding.make_mesh(config, devices.setup(**config.device_args()))
+        )
     reference = jax.jit(
         make_train_step(config, trainer.model, trainer.optimizer, trainer.lr_schedule)
     )
@@ -195,7 +228,7 @@ def test_four_stages_step_is_bitwise_and_each_stack_on_its_group(tmp_path):
     assert stacks == 3 * 9 * 4  # params, mu, nu x 9 leaves per llama layer x 4 stages
 
 
-def test_parts_of_work_after_the_loop_compute_what_the_whole_task_does():
+def test_parts_of_work_after_the_loop_compute_what_the_whole_task_does(compiled_steps):
     """Every after-loop task run as parts (`blocks.independent_parts`: the shared layer-stack
     update, a group's own weights, the scalars handed on) gives the very bits the task compiled
     as one program gives, on random inputs (positive, as Adam's second moment is): each part
@@ -204,7 +237,7 @@ def test_parts_of_work_after_the_loop_compute_what_the_whole_task_does():
     from jaxpp_integration.compiler.program import Run
     from jaxpp_integration.compiler.task_functions import task_function
 
-    compiled, _ = compile_step(config_of(4, 8))
+    compiled, _ = compiled_steps(4, 8)
     prog = compiled.program
     rng = np.random.default_rng(0)
     checked = set()

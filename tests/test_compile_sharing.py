@@ -90,17 +90,41 @@ UNIFORM_DISTINCT_PROGRAMS = 7
 UNIFORM_FILL_PROGRAMS = 2
 
 
+@pytest.fixture(scope="module")
+def uniform_4_cold(tmp_path_factory):
+    """The 4-stage uniform step (Std1F1B, SGD) compiled once, cold, into a fresh persistent
+    compilation cache (nothing to read there: every program is a real XLA compile, as without a
+    cache). Shared by the uniform-stages test's 4-stage case and, as its cold start, by the test
+    of compiling again from that cache: (cache folder, step, arguments, compiled, compiles)."""
+    from MaxText.cluster.compile_cache import compilation_cache
+
+    cache = tmp_path_factory.mktemp("uniform_4_cache")
+    params, batch, loss_fn = uniform_mlp(4)
+    opt = optax.sgd(0.1)
+    args = (params, opt.init(params), batch)
+    step = make_step(loss_fn, opt, jaxpp.Std1F1B(4))
+    with compilation_cache(str(cache)):
+        compiled, n_compiles = _compile_counted(step, mpmd_mesh(4), args)
+    return cache, step, args, compiled, n_compiles
+
+
 @pytest.mark.parametrize("num_stages", [3, 4])
-def test_uniform_stages_compile_once_per_distinct_program(num_stages):
+def test_uniform_stages_compile_once_per_distinct_program(num_stages, request):
     """N uniform stages on N groups: the XLA compile count is the number of distinct programs
     (the same for 3 and 4 groups, not N x), every other group's task is a loaded copy, each
-    group's executables live on that group's devices, and the step equals jax.jit bitwise."""
-    params, batch, loss_fn = uniform_mlp(num_stages)
-    opt = optax.sgd(0.1)
-    opt_state = opt.init(params)
-    step = make_step(loss_fn, opt, jaxpp.Std1F1B(num_stages))
+    group's executables live on that group's devices, and the step equals jax.jit bitwise.
+    (4 stages: the compile the cache test below starts from, `uniform_4_cold`.)"""
     mesh = mpmd_mesh(num_stages)
-    compiled, n_compiles = _compile_counted(step, mesh, (params, opt_state, batch))
+    if num_stages == 4:
+        _, step, (params, opt_state, batch), compiled, n_compiles = request.getfixturevalue(
+            "uniform_4_cold"
+        )
+    else:
+        params, batch, loss_fn = uniform_mlp(num_stages)
+        opt = optax.sgd(0.1)
+        opt_state = opt.init(params)
+        step = make_step(loss_fn, opt, jaxpp.Std1F1B(num_stages))
+        compiled, n_compiles = _compile_counted(step, mesh, (params, opt_state, batch))
 
     codes = {id(i.code): i.code for i in compiled.program.instrs if isinstance(i, Run)}
     assert n_compiles == UNIFORM_DISTINCT_PROGRAMS + UNIFORM_FILL_PROGRAMS, [
@@ -205,27 +229,23 @@ def test_compile_threads_gives_the_same_program():
     assert_bitwise(jax.jit(step)(params, opt_state, batch), compiled(params, opt_state, batch))
 
 
-def test_loaded_copies_of_cached_programs_run(tmp_path):
+def test_loaded_copies_of_cached_programs_run(uniform_4_cold):
     """With JAX's persistent compilation cache warm (`jax_cache_dir`), compiling the same step
     again (a restart) compiles nothing: every distinct program is read from the cache, and the
     other groups' copies are loaded from the executable bytes read there (XLA:CPU cannot
     serialize a deserialized executable again: such a copy fails with "Function ... not found"
     when it runs). Real compiles = JAX's backend-compile events minus its cache hits; the warm
-    step runs bitwise like jax.jit."""
+    step runs bitwise like jax.jit. The cold compile that filled the cache: `uniform_4_cold`."""
     from MaxText.cluster.compile_cache import compilation_cache
 
-    params, batch, loss_fn = uniform_mlp(4)
-    opt = optax.sgd(0.1)
-    opt_state = opt.init(params)
-    step = make_step(loss_fn, opt, jaxpp.Std1F1B(4))
+    cache, step, (params, opt_state, batch), cold, n_cold = uniform_4_cold
     hits = []
 
     def listener(event, **_):
         if event == "/jax/compilation_cache/cache_hits":
             hits.append(event)
 
-    with compilation_cache(str(tmp_path / "cache")):
-        cold, n_cold = _compile_counted(step, mpmd_mesh(4), (params, opt_state, batch))
+    with compilation_cache(str(cache)):
         jax.monitoring.register_event_listener(listener)
         try:
             warm, n_warm = _compile_counted(step, mpmd_mesh(4), (params, opt_state, batch))

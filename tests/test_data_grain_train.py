@@ -1,9 +1,9 @@
 """dataset_type=grain in the trainer: exact resume with worker processes, SPMD and pipelined.
 
-10 steps + resume + 10 steps give bitwise the losses of 20 straight steps with
-grain_worker_count=2 (the data position, a (window, row) pair, is saved in the checkpoint's
-`data_iter` item), and the same checkpoint resumed with grain_worker_count=0 continues bitwise as
-well. Runs go through `MaxText.train.main` in this process; the worker processes make each run
+10 steps + resume + 10 steps with grain_worker_count=2 give bitwise the losses of 20 straight
+steps (the data position, a (window, row) pair, is saved in the checkpoint's `data_iter` item;
+the straight run reads in the trainer's process, which gives the same batches), and the same
+checkpoint resumed with grain_worker_count=0 continues bitwise as well. Runs go through `MaxText.train.main` in this process; the worker processes make each run
 ~10 s slower here, hence the slow marks.
 """
 
@@ -64,6 +64,26 @@ def losses(base: Path, run: str, steps: range = range(1, 21)) -> np.ndarray:
     return np.asarray([by_step[s] for s in steps], np.float64)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(shards, tmp_path_factory):
+    """`uninterrupted(layout)`: the folder of the 20 straight steps of `layout` (run `full`), run
+    once per layout for the whole file, in this process: the resume tests and the two-process
+    test compare with it. It reads in this process (grain_worker_count=0): grain's prefetch keeps
+    the element order whatever the worker count, so its batches are a 2-worker run's, and the
+    runs under test (stopped, resumed, two processes) keep their workers, each of which costs
+    seconds of CPU to start; comparing them with a worker-free run checks that order as well."""
+    made: dict[tuple, Path] = {}
+
+    def run(layout: list[str]) -> Path:
+        if tuple(layout) not in made:
+            base = tmp_path_factory.mktemp("uninterrupted")
+            train(shards, base, "full", "steps=20", "grain_worker_count=0", *layout)
+            made[tuple(layout)] = base
+        return made[tuple(layout)]
+
+    return run
+
+
 def saved_state(step_dir: Path) -> dict:
     """The `state` item of a checkpoint step folder as numpy arrays (its canonical tree)."""
     import jax
@@ -88,8 +108,8 @@ def saved_state(step_dir: Path) -> dict:
     [[], ["pipeline_parallelism=2"]],
     ids=["spmd", "pp2"],
 )
-def test_resume_with_grain_workers_is_bitwise(shards, tmp_path, layout):
-    train(shards, tmp_path, "full", "steps=20", "grain_worker_count=2", *layout)
+def test_resume_with_grain_workers_is_bitwise(shards, uninterrupted, tmp_path, layout):
+    straight = uninterrupted(layout)
     train(shards, tmp_path, "run", "steps=10", "grain_worker_count=2", *layout)
     state = json.loads((tmp_path / "run/checkpoints/10/data_iter/metadata").read_text())
     assert state["window"] > 0 and state["fingerprint"]["dataset"] == "grain"
@@ -97,15 +117,15 @@ def test_resume_with_grain_workers_is_bitwise(shards, tmp_path, layout):
     # Where a difference would come from: the state and data position at the resume point are
     # the uninterrupted run's (its step-10 checkpoint was written while step 11 ran), ...
     assert_bitwise(
-        saved_state(tmp_path / "full/checkpoints/10"),
+        saved_state(straight / "full/checkpoints/10"),
         saved_state(tmp_path / "run/checkpoints/10"),
         "state saved at step 10, uninterrupted vs stopped there",
     )
-    full_state = json.loads((tmp_path / "full/checkpoints/10/data_iter/metadata").read_text())
+    full_state = json.loads((straight / "full/checkpoints/10/data_iter/metadata").read_text())
     assert state == full_state
     # ... so a difference in the losses below arises after the restore.
     train(shards, tmp_path, "run", "steps=20", "grain_worker_count=2", *layout)
-    full = losses(tmp_path, "full")
+    full = losses(straight, "full")
     assert_bitwise(full, losses(tmp_path, "run"), "10 + resume + 10 vs 20 steps")
     # The same checkpoint resumed with another worker count (here: none) continues alike (one
     # layout suffices: the worker count changes only how the data is read).
@@ -187,11 +207,13 @@ def test_trainer_memory_does_not_grow_with_dataset_size(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_pipelined_grain_run_equals_one_process(shards, tmp_path):
+def test_two_process_pipelined_grain_run_equals_one_process(shards, uninterrupted, tmp_path):
     """Under pipelining every process feeds the whole batch, so each reads every document (its
     own grain workers): 2 processes (MaxText.launch, one pipeline group each) give bitwise the
-    losses of the 1-process run (run in this process, on 2 of its emulated devices: the same
-    pipeline groups of one device each)."""
+    losses of the 1-process run (the uninterrupted pp2 run of the resume test, in this process
+    on 2 of its emulated devices: the same pipeline groups of one device each; its first 4 steps
+    are these 4, as the learning-rate schedule is the same 20 steps and checkpointing does not
+    change what a step computes)."""
     import os
     import subprocess
     import sys
@@ -211,8 +233,7 @@ def test_two_process_pipelined_grain_run_equals_one_process(shards, tmp_path):
         [*launch, "--", *argv], cwd=root, env=env, capture_output=True, text=True, timeout=1000
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    train(shards, tmp_path, "one", *keys)
-    one = losses(tmp_path, "one", range(1, 5))
+    one = losses(uninterrupted(["pipeline_parallelism=2"]), "full", range(1, 5))
     assert_bitwise(one, losses(tmp_path, "two", range(1, 5)), "2 processes vs 1")
 
 

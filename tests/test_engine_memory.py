@@ -33,29 +33,59 @@ SCHEDULES = {
 }
 
 
+_COMPILED: dict = {}  # (schedule, n_mb, mb_size, width) -> compiled step (SGD, state donated)
+
+
 def _compiled(schedule, n_mb=8, optimizer=None, donate=(0, 1), mb_size=8, width=64):
+    """(compiled step, mesh, fresh state, batch) of the tied-free MLP on 4 groups. `schedule` is
+    a `SCHEDULES` name or a schedule; by name (SGD with momentum, state donated) the compiled
+    step is shared by the tests asking for the same one (a fresh state each time: the previous
+    one was donated)."""
+    named = isinstance(schedule, str)
+    if named:
+        schedule = SCHEDULES[schedule]()
     stages = schedule.num_stages
     params, batch, loss_fn = tied_mlp_setup(stages, n_mb, width=width, mb_size=mb_size, tied=False)
     opt = optimizer or optax.sgd(0.1, momentum=0.9)
-    step = make_step(loss_fn, opt, schedule)
     mesh = mpmd_mesh(4)
+    key = (schedule if named else None, n_mb, mb_size, width)
+    if named and optimizer is None and donate == (0, 1) and key in _COMPILED:
+        return _COMPILED[key], mesh, (params, opt.init(params)), batch
+    step = make_step(loss_fn, opt, schedule)
     compiled = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mesh, donate_argnums=donate).compile(
         params, opt.init(params), batch
     )
+    if named and optimizer is None and donate == (0, 1):
+        _COMPILED[key] = compiled
     return compiled, mesh, (params, opt.init(params)), batch
 
 
-def _measured_step(schedule, n_mb=8, **kw):
-    """A second step (inputs already on their groups), measured both ways."""
-    compiled, mesh, state, batch = _compiled(schedule, n_mb, **kw)
-    state = compiled(*state, batch)[:2]
-    gc.collect()
-    with scanning_device_bytes() as scan:
-        compiled(*state, batch, measure_device_bytes=True)
-    (scanned,) = scan.steps
-    device = [mesh.unstack[g].devices.flat[0].id for g in range(4)]
-    per_group = [[after.get(device[g], 0) for g in range(4)] for after in scanned]
-    return compiled, per_group, scanned
+_MEASURED: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_shared_steps():
+    """The shared compiled steps live as long as this module's tests."""
+    yield
+    _COMPILED.clear()
+    _MEASURED.clear()
+
+
+def _measured_step(name, n_mb=8, mb_size=2, width=16):
+    """A second step of `SCHEDULES[name]` (inputs already on their groups), measured both ways;
+    once per arguments (the fixture and the test of every schedule share gpipe's and 1f1b's)."""
+    key = (name, n_mb, mb_size, width)
+    if key not in _MEASURED:
+        compiled, mesh, state, batch = _compiled(name, n_mb, mb_size=mb_size, width=width)
+        state = compiled(*state, batch)[:2]
+        gc.collect()
+        with scanning_device_bytes() as scan:
+            compiled(*state, batch, measure_device_bytes=True)
+        (scanned,) = scan.steps
+        device = [mesh.unstack[g].devices.flat[0].id for g in range(4)]
+        per_group = [[after.get(device[g], 0) for g in range(4)] for after in scanned]
+        _MEASURED[key] = compiled, per_group, scanned, compiled.last_device_bytes
+    return _MEASURED[key]
 
 
 def _settled(instrs):
@@ -71,7 +101,7 @@ def _settled(instrs):
 
 @pytest.fixture(scope="module")
 def measured():
-    return {name: _measured_step(SCHEDULES[name]()) for name in ("gpipe", "1f1b")}
+    return {name: _measured_step(name)[:3] for name in ("gpipe", "1f1b")}
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -122,8 +152,7 @@ def test_tracked_device_bytes_equal_the_per_instruction_scan(name):
     """The runtime's O(instructions) measurement equals the former scan of every live array
     after every instruction, exactly, on every built-in schedule; its one check against the
     live buffers (at each group's peak) agrees."""
-    compiled, _, scanned = _measured_step(SCHEDULES[name](), mb_size=2, width=16)
-    tracked = compiled.last_device_bytes
+    compiled, _, scanned, tracked = _measured_step(name)
     assert tracked.timeline == scanned
     assert len(tracked.timeline) == len(compiled.program.instrs)
     assert tracked.checked and tracked.mismatches() == []
@@ -134,7 +163,7 @@ def test_tracking_sees_a_buffer_the_program_did_not_free():
     """Break the assumption on purpose: references kept to the values the program frees keep
     their buffers alive, which the live buffers show and the tracked figure does not; the
     check at the peak reports the difference instead of trusting the events."""
-    compiled, _, state, batch = _compiled(jaxpp.Std1F1B(4), n_mb=4, mb_size=2, width=16)
+    compiled, _, state, batch = _compiled("1f1b", n_mb=8, mb_size=2, width=16)
     state = compiled(*state, batch)[:2]
     kept, original = [], dict(compiled.executables)
 

@@ -1,7 +1,7 @@
 """Stopping like a cluster job: SIGTERM / SIGINT save the step in flight and exit 128 + N.
 
 A real trainer process (`python -m MaxText.train`, small model with the default keys: scanned
-layers, async checkpointing) reading grain shards with 2 worker processes gets the signal
+layers, async checkpointing, one grain worker process reading the shards) gets the signal
 mid-training, either alone (`kill PID`, as a scheduler may) or with its whole process group
 (Ctrl-C, SLURM). Checked: the exit code, the one line saying which step is on disk, that step's
 checkpoint, no traceback or leaked-shared-memory warning from anyone, and that no child process
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def argv(shards: Path, base: Path, *overrides: str) -> list[str]:
         "vocab_size=512",
         "dataset_type=grain",
         f"grain_train_files={shards}/train-*.array_record",
-        "grain_worker_count=2",
+        "grain_worker_count=1",  # the default, said here: data_workers counts the processes
         "learning_rate_schedule_steps=60",
         "log_period=1",
         "eval_interval=0",
@@ -85,24 +86,52 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def data_workers(pid: int) -> list[int]:
+def _start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/PID/stat field 22); None once it is gone
+    or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def data_workers(pid: int) -> list[tuple[int, int]]:
     """The trainer's child processes, found before it is signalled (so that "none alive
-    afterwards" means something): its 2 grain workers and multiprocessing's resource tracker."""
-    kids = children(pid)
-    assert len(kids) >= 3, kids
+    afterwards" means something): its grain worker (grain_worker_count=1, started by
+    multiprocessing's spawn) and multiprocessing's resource tracker, each as (pid, start time)."""
+    kids = [(kid, start) for kid in children(pid) if (start := _start_time(kid)) is not None]
+    lines = [Path(f"/proc/{kid}/cmdline").read_bytes() for kid, _ in kids]
+    assert sum(b"spawn_main" in line for line in lines) == 1, lines
+    assert sum(b"resource_tracker" in line for line in lines) == 1, lines
     return kids
 
 
-def alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
+def alive(kids: list[tuple[int, int]], timeout: float = 30.0) -> list[int]:
+    """The pids of `kids` still running, once the trainer's output pipe has ended (`finish`).
+
+    Every kid inherited that pipe and closes it only when it exits, so by then each is gone or
+    inside its exit (its files closed, not yet a zombie: on a loaded machine that lasts a moment,
+    and a snapshot taken then saw one "alive"). Each is therefore waited for on its pidfd (an
+    event, no sleep) up to `timeout` seconds; a kid still running after that is reported. A pid
+    with another start time is another process: on a busy machine the pid space (32768 here,
+    threads included) wraps within a test."""
+    deadline = time.monotonic() + timeout
+    running = []
+    for pid, start in kids:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
             continue
-        if state != "Z":
-            out.append(pid)
-    return out
+        try:
+            if _start_time(pid) != start:
+                continue
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                running.append(pid)
+        finally:
+            os.close(fd)
+    return running
 
 
 _STARTED: list = []  # every Trainer a test started: none may outlive its test
@@ -168,9 +197,12 @@ class Trainer:
 
 @pytest.fixture(scope="module")
 def reference(shards, tmp_path_factory):
-    """60 uninterrupted steps, in this process."""
+    """60 uninterrupted steps, in this process, reading in this process (grain_worker_count=0:
+    grain's prefetch keeps the element order whatever the worker count, so the batches are a
+    worker's, as tests/test_data_grain_train.py checks bitwise; a worker process costs ~4 s of
+    CPU to start). The resumed run under test keeps its worker."""
     base = tmp_path_factory.mktemp("reference")
-    assert main(argv(shards, base, "steps=60")) == 0
+    assert main(argv(shards, base, "steps=60", "grain_worker_count=0")) == 0
     return losses(base)
 
 
@@ -213,8 +245,8 @@ def test_sigterm_to_the_trainer_alone_saves_and_resumes_bitwise(shards, referenc
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_process_group(shards, tmp_path, signum):
     """Ctrl-C (SIGINT), or a scheduler's SIGTERM to the job's process group (as SLURM's scancel
-    and its time limit send it), reaches the trainer and its grain workers: the workers ignore
-    it, the trainer saves and stops them; nobody prints a traceback."""
+    and its time limit send it), reaches the trainer and its grain worker: the worker ignores
+    it, the trainer saves and stops it; nobody prints a traceback."""
     trainer = Trainer(argv(shards, tmp_path, "steps=100000"))
     trainer.wait_for("step 5/")
     kids = data_workers(trainer.proc.pid)
@@ -256,8 +288,13 @@ def test_a_second_sigint_stops_at_once_without_saving(shards, tmp_path):
 def _signal_one_of_two(shards, tmp_path, signum: int) -> tuple[Trainer, str, dict, int]:
     """A 2-process run (pp=2) under the launcher; `signum` sent to process 1 alone at step 5.
     Returns (launcher, output, {"[p0]": exit code text, "[p1]": ...}, the step both stopped
-    after), having checked that both stopped after that one step and saved it together."""
-    args = argv(shards, tmp_path, "steps=100000", "pipeline_parallelism=2")
+    after), having checked that both stopped after that one step and saved it together.
+
+    The processes read their data themselves (grain_worker_count=0): what is checked here is the
+    two processes stopping together; stopping a trainer's grain worker is the single-process
+    tests' (a signal to the trainer alone, and to its process group), and a worker in each of
+    the 2 processes would cost 2 worker processes' start-up (~4 s of CPU each)."""
+    args = argv(shards, tmp_path, "steps=100000", "pipeline_parallelism=2", "grain_worker_count=0")
     launch = ["--num_processes", "2", "--timeout", "900", "--", *args]
     launcher = Trainer(launch, module="MaxText.launch")
     launcher.wait_for("[p0] step 5/")

@@ -120,21 +120,37 @@ HOMES = {
     "interleaved_1f1b": (0, 1, 0, 1),
     "dualpipev": (0, 1, 1, 0),
 }
+# GPipe and 1F1B share one layout (uneven 3 + 2, remat inside the scan), so their steps' stage
+# programs and their `jax.jit` reference are the same programs, compiled once (the session's
+# compilation cache); stages without remat: the virtual layouts below.
 LAYOUTS = {
-    "gpipe": ("num_decoder_layers=5",),  # uneven: 3 + 2
-    "1f1b": ("num_decoder_layers=5", "remat_policy=full"),  # remat inside the scan
+    "gpipe": ("num_decoder_layers=5", "remat_policy=full"),
+    "1f1b": ("num_decoder_layers=5", "remat_policy=full"),
     "zero_bubble": (),
     "interleaved_1f1b": ("num_pipeline_repeats=2", "num_decoder_layers=9"),  # 2, 3, 2, 2
     "dualpipev": ("num_pipeline_repeats=2", "num_decoder_layers=9"),
 }
 
 
-def run_against_jit(tmp_path, schedule, *overrides, steps=2, rtol=0.0):
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory):
+    """`trainers(*overrides)`: (config, trainer) built once for the whole file (the one-layer
+    DualPipeV step test and the checkpoint test share theirs; none writes into its folder)."""
+    root, built = tmp_path_factory.mktemp("trainers"), {}
+
+    def get(*overrides):
+        if overrides not in built:
+            built[overrides] = build(root, *overrides)
+        return built[overrides]
+
+    return get
+
+
+def run_against_jit(trainers, schedule, *overrides, steps=2, rtol=0.0):
     """Steps the pipelined scanned trainer, and before each step `jax.jit` of its step function
     from the same input state (the pipelined step's): bitwise when `rtol` is 0, else each leaf
     of the state and metrics within `rtol` of its largest magnitude (one step's differences)."""
-    config, trainer = build(
-        tmp_path,
+    config, trainer = trainers(
         "scan_layers=true",
         "pipeline_parallelism=2",
         f"pipeline_schedule={schedule}",
@@ -171,24 +187,24 @@ def assert_stage_weights_on_their_groups(config, trainer, state, homes):
     assert found == 3 * 9 * config.num_stages  # params, mu, nu x 9 leaves per llama layer
 
 
-def test_scanned_1f1b_uneven_stages_with_remat_is_bitwise(tmp_path):
+def test_scanned_1f1b_uneven_stages_with_remat_is_bitwise(trainers):
     """1F1B, 3 + 2 layers, remat_policy=full inside the scan: bitwise equal to `jax.jit`."""
-    config, trainer, state = run_against_jit(tmp_path, "1f1b")
+    config, trainer, state = run_against_jit(trainers, "1f1b")
     assert config.stage_layers == (3, 2)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES["1f1b"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
-def test_scanned_pipeline_is_bitwise_for_gpipe_and_interleaved(tmp_path, schedule):
-    """Bitwise equal to `jax.jit` of the same step (uneven and virtual stages of 2-3 layers);
-    each stage's stack on its group.
+def test_scanned_pipeline_is_bitwise_for_gpipe_and_interleaved(trainers, schedule):
+    """Bitwise equal to `jax.jit` of the same step (GPipe: uneven stages of 3 + 2 layers with
+    remat; Interleaved: virtual stages of 2-3 layers without); each stage's stack on its group.
 
     Why bitwise: a stage of two or more layers is a `while` loop whose body XLA compiles as a
     computation of its own, the same in the stage's program as in `jax.jit`'s one program, and
     the work between stages is the engine's usual bitwise case (tests/test_engine_equivalence.py).
     """
-    config, trainer, state = run_against_jit(tmp_path, schedule)
+    config, trainer, state = run_against_jit(trainers, schedule)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES[schedule])
 
 
@@ -202,7 +218,7 @@ ONE_STEP_RTOL = reordered_sum_rtol(SMALL_MODEL_TOKENS)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zero_bubble", "dualpipev"])
-def test_scanned_split_backward_schedules_agree_step_by_step(tmp_path, schedule):
+def test_scanned_split_backward_schedules_agree_step_by_step(trainers, schedule):
     """ZeroBubble and DualPipeV (4 and 9 layers; uneven virtual stages for the V): each step
     from the same state within `ONE_STEP_RTOL` of each leaf, not bitwise; each stage's stack on
     its group.
@@ -212,12 +228,12 @@ def test_scanned_split_backward_schedules_agree_step_by_step(tmp_path, schedule)
     first stage's backward is cut differently (ZeroBubble's bwdI/bwdW, the V's first stage) the
     constraint moves one reduction of the token embedding's gradient (its entries ~1 ulp apart),
     and through the global-norm clip factor every gradient may scale ~1 ulp apart."""
-    config, trainer, state = run_against_jit(tmp_path, schedule, rtol=ONE_STEP_RTOL)
+    config, trainer, state = run_against_jit(trainers, schedule, rtol=ONE_STEP_RTOL)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES[schedule])
 
 
 @pytest.mark.slow
-def test_one_layer_stages_agree_step_by_step(tmp_path):
+def test_one_layer_stages_agree_step_by_step(trainers):
     """DualPipeV with one layer per stage (4 layers, 4 stages): each step from the same state
     within `ONE_STEP_RTOL` of each leaf, not bitwise.
 
@@ -227,7 +243,7 @@ def test_one_layer_stages_agree_step_by_step(tmp_path):
     names for unrolled pipelines).
     """
     config, trainer, state = run_against_jit(
-        tmp_path, "dualpipev", "num_pipeline_repeats=2", rtol=ONE_STEP_RTOL
+        trainers, "dualpipev", "num_pipeline_repeats=2", rtol=ONE_STEP_RTOL
     )
     assert config.stage_layers == (1, 1, 1, 1)
     assert_stage_weights_on_their_groups(config, trainer, state, HOMES["dualpipev"])
@@ -290,12 +306,6 @@ def _moments(state):
     return [adam.mu, adam.nu]
 
 
-@functools.cache
-def _trainer(base, *overrides):
-    config, trainer = build(base, *overrides)
-    return config, trainer
-
-
 def _checkpoints(config, trainer, run_dir):
     from MaxText.checkpoint.manager import Checkpoints
 
@@ -304,7 +314,14 @@ def _checkpoints(config, trainer, run_dir):
     return Checkpoints(config, trainer)
 
 
-SCANNED_PP4 = ("scan_layers=true", "pipeline_parallelism=4")
+# 4 one-layer stages on 2 groups in DualPipeV's V (stage 3 back on group 0): the one-layer step
+# test's trainer, reused
+SCANNED_V = (
+    "scan_layers=true",
+    "pipeline_parallelism=2",
+    "pipeline_schedule=dualpipev",
+    "num_pipeline_repeats=2",
+)
 UNROLLED_PP2 = ("scan_layers=false", "pipeline_parallelism=2")
 UNROLLED_SPMD = ("scan_layers=false",)
 SCANNED_SPMD = ("scan_layers=true",)
@@ -313,18 +330,17 @@ SCANNED_SPMD = ("scan_layers=true",)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "source, targets",
-    [(SCANNED_PP4, (UNROLLED_PP2, UNROLLED_SPMD)), (UNROLLED_PP2, (SCANNED_PP4, SCANNED_SPMD))],
-    ids=["scanned_pp4_to_unrolled", "unrolled_pp2_to_scanned"],
+    [(SCANNED_V, (UNROLLED_PP2, UNROLLED_SPMD)), (UNROLLED_PP2, (SCANNED_V, SCANNED_SPMD))],
+    ids=["scanned_virtual_to_unrolled", "unrolled_pp2_to_scanned"],
 )
-def test_checkpoint_moves_between_scanned_and_unrolled(tmp_path_factory, source, targets):
+def test_checkpoint_moves_between_scanned_and_unrolled(tmp_path_factory, trainers, source, targets):
     """A state saved in one layer layout is restored bitwise in the others (compared in the
     canonical tree with what was saved), placed where the target step wants it, and trains on:
     the next step's loss (one step from the same state) equals the source layout's within
     `reordered_sum_rtol` of its SMALL_MODEL_TOKENS terms (other programs: the pipelined and SPMD
     steps sum microbatches and reduce in another order, see tests/test_train.py)."""
-    base = tmp_path_factory.getbasetemp() / "ckpt"
     run_dir = tmp_path_factory.mktemp("run")
-    config, trainer = _trainer(base, *source)
+    config, trainer = trainers(*source)
     step_batches = batches(config, 2)
     state, _ = trainer.train_step(trainer.init_state(), trainer.put_batch(step_batches[0]))
     saved = canonical(host(state))
@@ -335,19 +351,19 @@ def test_checkpoint_moves_between_scanned_and_unrolled(tmp_path_factory, source,
     want_loss = float(np.asarray(metrics["loss"]))
 
     for target in targets:
-        config_t, trainer_t = _trainer(base, *target)
+        config_t, trainer_t = trainers(*target)
         checkpoints = _checkpoints(config_t, trainer_t, run_dir)
         restored = checkpoints.restore_or_init(_Data())
         checkpoints.close()
         assert_bitwise(saved, canonical(host(restored)), f"{target} ")
         if config_t.is_pipelined and config_t.scan_layers:
-            assert_stage_weights_on_their_groups(config_t, trainer_t, restored, (0, 1, 2, 3))
+            assert_stage_weights_on_their_groups(config_t, trainer_t, restored, HOMES["dualpipev"])
         _, metrics = trainer_t.train_step(restored, trainer_t.put_batch(step_batches[1]))
         rtol = reordered_sum_rtol(SMALL_MODEL_TOKENS, squared=False)
         np.testing.assert_allclose(float(np.asarray(metrics["loss"])), want_loss, rtol=rtol)
 
     # generate's reader: the params in a scanned SPMD tree, as numpy
-    scanned = config_of(base, *SCANNED_SPMD)
+    scanned = config_of(run_dir, *SCANNED_SPMD)
     abstract = state_specs(scanned, Decoder(scanned), make_optimizer(scanned)[0])[0]["params"]
     params, _ = load_params(run_dir, abstract, scanned)
     assert_bitwise(saved["params"], canonical(params), "load_params ")

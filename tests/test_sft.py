@@ -62,6 +62,7 @@ def world(tmp_path_factory):
         "chats": chats,
         "hf": model["hf"],
         "masks": independent_masks(model["hf"], chats),
+        "logprobs": {},  # token ids -> float64 log-probabilities (reference_loss)
     }
 
 
@@ -96,9 +97,14 @@ def reference_loss(world, batch) -> tuple[float, int]:
     computed trained tokens (asserted equal to the batch's mask); (loss, trained tokens)."""
     total, count = 0.0, 0
     for r, where, ids in segments(batch):
-        mask = world["masks"][tuple(ids.tolist())][1:]  # KeyError: not one whole example
+        key = tuple(ids.tolist())
+        mask = world["masks"][key][1:]  # KeyError: not one whole example
         np.testing.assert_array_equal(batch["targets_mask"][r, where], mask)
-        total -= float((target_logprobs(world["cfg"], world["tensors"], ids) * mask).sum())
+        # an example's float64 log-probabilities, computed once per module (the layouts' batches
+        # hold the same examples, packed or one per row)
+        if key not in world["logprobs"]:
+            world["logprobs"][key] = target_logprobs(world["cfg"], world["tensors"], ids)
+        total -= float((world["logprobs"][key] * mask).sum())
         count += int(mask.sum())
     return total / count, count
 
@@ -148,13 +154,14 @@ def test_changing_every_prompt_target_leaves_the_loss(world):
     from MaxText.model import Decoder
     from MaxText.train_step import make_eval_step
 
+    # One loss program for both keys: the key changes the batches' masks (what the data
+    # pipeline writes), not the model or its loss function.
+    config = load_config(sft_keys(world))
+    params, _ = manager.load_params(world["ckpt"], abstract_params(config), config)
+    step = jax.jit(make_eval_step(Decoder(config)))
     sums, prompt = {}, None
     for completion_only in ("true", "false"):
-        argv = sft_keys(world, f"sft_train_on_completion_only={completion_only}")
-        config = load_config(argv)
-        params, _ = manager.load_params(world["ckpt"], abstract_params(config), config)
-        step = jax.jit(make_eval_step(Decoder(config)))
-        batch = first_batch(argv)
+        batch = first_batch(sft_keys(world, f"sft_train_on_completion_only={completion_only}"))
         if prompt is None:  # the rows are the same with either key; the masks differ
             prompt, trained = batch["targets_mask"] == 0, batch["targets_mask"].sum()
             assert prompt.sum() > trained > 0

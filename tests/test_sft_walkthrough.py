@@ -7,8 +7,10 @@ bit for bit (the pp=4 resume check of issue 33).
 The commands run in this process: each line of the docs' bash block (comments dropped, `\\`
 continuations joined, split as bash splits words, `$VARS` expanded) is handed to the `main(argv)`
 of the module it names (`python train.py` is `MaxText.train`), so the block runs as written
-without paying a Python and JAX start-up per command, and the steps' programs compiled by the
-SFT run are read back from the session's compilation cache by its restart."""
+without paying a Python and JAX start-up per command. The restart of the SFT command runs the
+trainer its first run built (`build_trainer` remembered per run and config: the same compiled
+programs a restarted process compiles again or reads from the session's compilation cache); it
+restores its state and data position from the checkpoint as any restart does."""
 
 from __future__ import annotations
 
@@ -60,12 +62,30 @@ def run_command(module: str, argv: list[str]) -> int:
     return importlib.import_module(module).main(list(argv))
 
 
+def remember_trainers(monkeypatch) -> None:
+    """train.py's `build_trainer` returns the trainer built earlier in this test for the same
+    run and the same config (the restart), else builds one (the same programs a restarted
+    process would compile, or read from the compilation cache: what they compute is the same)."""
+    from MaxText import train
+
+    build, built = train.build_trainer, {}
+
+    def remembered(config, mesh, *args, **kwargs):
+        previous = built.get(config.run_name)
+        if previous is not None and previous.config == config and not args and not kwargs:
+            return previous
+        built[config.run_name] = trainer = build(config, mesh, *args, **kwargs)
+        return trainer
+
+    monkeypatch.setattr(train, "build_trainer", remembered)
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_fine_tuning_walkthrough_runs_as_written(tmp_path, capsys):
+def test_fine_tuning_walkthrough_runs_as_written(tmp_path, capsys, monkeypatch):
     from chat_fixtures import SPECIAL, byte_level_tokenizer, tokenizer_folder
     from hf_reference import llama_config, random_tensors, write_hf_folder
 
@@ -111,6 +131,7 @@ def test_fine_tuning_walkthrough_runs_as_written(tmp_path, capsys):
         "MaxText.data.prepare",
         "MaxText.train",
     ]
+    remember_trainers(monkeypatch)
     cwd = os.getcwd()
     os.chdir(REPO)  # the commands name configs/base.yml relative to the repository
     try:

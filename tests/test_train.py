@@ -413,10 +413,18 @@ def test_virtual_stages_match_unpipelined(unpipelined_m4, trainers, schedule):
 @pytest.mark.slow
 def test_tied_embedding_across_stages(tmp_path):
     """gpt block with logits_via_embedding: the table is used by the first and the last stage,
-    whose two gradient contributions are added in another program: `ONE_STEP_RTOL`."""
-    tied = ("decoder_block=gpt", "logits_via_embedding=true", "num_pipeline_microbatches=4")
+    whose two gradient contributions are added in another program: `ONE_STEP_RTOL`. Two layers,
+    one per stage: the first and the last stage are what the tie is about (more layers only
+    lengthen both compiles)."""
+    tied = (
+        "decoder_block=gpt",
+        "logits_via_embedding=true",
+        "num_pipeline_microbatches=4",
+        "num_decoder_layers=2",
+    )
     reference = build(tmp_path / "one", *tied)
     got = build(tmp_path, "pipeline_parallelism=2", *tied)
+    assert got[0].stage_layers == (1, 1)
     assert_steps_agree(stepped_alike(reference, got), ONE_STEP_RTOL)
 
 

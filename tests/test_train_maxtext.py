@@ -148,17 +148,17 @@ def test_hardware_gpu_without_a_gpu_is_one_line():
     )
 
 
-def test_maxtext_getting_started_command_runs_unchanged(tmp_path):
+def test_maxtext_getting_started_command_runs_unchanged(tmp_path, capsys):
     """A MaxText getting-started command (synthetic data, base_* model keys, hardware=cpu,
     fsdp over every device, full remat, scanned layers, autoselected attention, AdamW) through
-    `python train.py`, on the 8 emulated CPU devices: it trains, prints MaxText's per-step line,
-    and (enable_checkpointing defaults to true, as in MaxText) leaves a checkpoint."""
-    env = dict(os.environ)  # conftest's XLA_FLAGS: 8 CPU devices
-    proc = subprocess.run(
+    train.py's `main` (what `python train.py` runs; in this process, whose conftest emulates 8
+    CPU devices), on the 8 devices: it trains, prints MaxText's per-step line, and
+    (enable_checkpointing defaults to true, as in MaxText) leaves a checkpoint."""
+    from MaxText.train import main as train
+
+    code = train(
         [
-            sys.executable,
-            "train.py",
-            "configs/base.yml",
+            str(CONFIGS_DIR / "base.yml"),
             "run_name=getting_started",
             f"base_output_directory={tmp_path}",
             "dataset_type=synthetic",
@@ -177,15 +177,11 @@ def test_maxtext_getting_started_command_runs_unchanged(tmp_path):
             "scan_layers=true",
             "attention=autoselected",
             "opt_type=adamw",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("completed step: ")]
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    lines = [line for line in out.out.splitlines() if line.startswith("completed step: ")]
     assert [line.split(",")[0] for line in lines] == ["completed step: 1", "completed step: 2"]
     assert "total_weights: 256, loss: " in lines[0]  # 8 devices x 1 sequence x 32 tokens
     run = tmp_path / "getting_started"
@@ -203,10 +199,12 @@ def test_dcn_axes_over_two_processes_train_like_one_process(tmp_path):
     (a few ulps per step). Bound 1e-5 relative on the 3 losses: how far few-ulp perturbations
     carry into them is a property of this model's trajectory, not of the CPU, and multiplying
     every initial weight by (1 +- 2^-23) (3 draws of random signs) moves them by at most 3.1e-7
-    (~3 ulps of a loss of 4.2); the bound is 30 times that."""
+    (~3 ulps of a loss of 4.2); the bound is 30 times that. The one-process run is train.py's
+    `main` in this process (4 of its 8 emulated devices)."""
+    from MaxText.train import main as train
+
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process emulates
     common = [
-        "configs/base.yml",
         *SMALL_MODEL,
         "dataset_type=synthetic",
         "steps=3",
@@ -218,21 +216,20 @@ def test_dcn_axes_over_two_processes_train_like_one_process(tmp_path):
         f"base_output_directory={tmp_path}",
     ]
     launch = [sys.executable, "-m", "MaxText.launch", "--num_processes", "2", "--timeout", "600"]
-    runs = {
-        "two": [*launch, "--", *common, "run_name=two", "dcn_data_parallelism=2"],
-        "one": [sys.executable, "train.py", *common, "run_name=one", "ici_data_parallelism=2"],
-    }
+    done = subprocess.run(
+        [*launch, "--", "configs/base.yml", *common, "run_name=two", "dcn_data_parallelism=2",
+         "ici_fsdp_parallelism=2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    one = ["run_name=one", "ici_data_parallelism=2", "ici_fsdp_parallelism=2"]
+    assert train([str(CONFIGS_DIR / "base.yml"), *common, *one]) == 0
     losses = {}
-    for name, cmd in runs.items():
-        done = subprocess.run(
-            [*cmd, "ici_fsdp_parallelism=2"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for name in ("two", "one"):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         losses[name] = [json.loads(x)["loss"] for x in lines]
     assert len(losses["one"]) == 3

@@ -42,7 +42,10 @@ storage reason (permission denied, EIO, ...) is not damaged: the run stops with 
 propagates with its traceback and moves nothing. A save that fails (disk full, permission) stops
 the run with one line naming the step, the errno and the newest checkpoint on disk
 (`PendingSave`, `StorageError`, exit 1); an async save's failure is found at the next step
-(`check`).
+(`check`). The step's folders are made in `save()` itself, before the background writes start:
+a folder that cannot be made fails `save()`, and no background thread is left waiting for it
+(orbax's commit threads would wait for a "folders made" signal for its 5-minute coordination
+timeout, keeping the process alive after its one-line error).
 
 **Several processes** (`num_processes>1`): every process opens the same manager (a folder all of
 them see) and saves collectively. orbax writes only arrays that span processes, so a pipelined
@@ -136,7 +139,14 @@ def _open_manager(
         enable_async_checkpointing=not read_only,
         async_options=None
         if read_only
-        else ocp.AsyncOptions(post_finalization_callback=on_written),
+        else ocp.AsyncOptions(
+            post_finalization_callback=on_written,
+            # The step's folders are made in save() itself, not by a background future that the
+            # writing threads wait on: when making them fails, those threads would wait for a
+            # signal that never comes, for orbax's coordination timeout (5 minutes), and the
+            # process could not exit before (they are not daemon threads).
+            create_directories_asynchronously=False,
+        ),
         cleanup_tmp_directories=not read_only,
         create=not read_only,
         read_only=read_only,

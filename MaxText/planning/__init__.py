@@ -5,6 +5,8 @@
 - `auto.py`: the `auto` keys (schedule, microbatches, stage split, remat) decided from plans;
 - `stage_balance.py`, `remat_choice.py`, `schedule_choice.py`: the three choices;
 - `hardware.py`: accelerator presets; `flops.py`: model FLOPs per step and MFU.
+- `moe_costs.py`: a mixture of experts' cost formulas; `moe_report.py`: its plan terms read
+  off the compiled step.
 
 `python -m MaxText.plan` is the command line.
 """

@@ -5,6 +5,7 @@ peak, bandwidths).
 it); `cpu_peak_tflops` the one CPU estimate; `peak_tflops` the peak of the device a run trains on.
 `HARDWARE` holds the planner's presets (`--hardware h100|h200|a100`), `cpu_hardware` this host
 shared by emulated devices, `local_hardware` the devices this process trains on (read from JAX).
+Bytes print in decimal units (`GB`; `format_bytes`, `byte_unit`).
 A task's predicted time is a roofline: max(FLOPs / (peak x efficiency), bytes / HBM bandwidth).
 
 Peaks are dense (no sparsity) tensor-core figures for the compute dtype: bf16/fp16 for
@@ -19,6 +20,20 @@ import dataclasses
 import os
 
 GB = 1e9
+
+
+def byte_unit(nbytes: float) -> tuple[float, str]:
+    """(scale, name) of the decimal unit `nbytes` prints in: GB, MB or KB."""
+    for scale, name in ((GB, "GB"), (1e6, "MB")):
+        if nbytes >= scale:
+            return scale, name
+    return 1e3, "KB"
+
+
+def format_bytes(nbytes: float) -> str:
+    scale, name = byte_unit(nbytes)
+    return f"{nbytes / scale:.3g} {name}"
+
 
 # device_kind substring -> (bf16/fp16 dense TFLOP/s, tf32 dense TFLOP/s). Longest match wins.
 GPU_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
