@@ -3,8 +3,9 @@
 10 steps + resume + 10 steps with grain_worker_count=2 give bitwise the losses of 20 straight
 steps (the data position, a (window, row) pair, is saved in the checkpoint's `data_iter` item;
 the straight run reads in the trainer's process, which gives the same batches), and the same
-checkpoint resumed with grain_worker_count=0 continues bitwise as well. Runs go through `MaxText.train.main` in this process; the worker processes make each run
-~10 s slower here, hence the slow marks.
+checkpoint resumed with grain_worker_count=0 continues bitwise as well. Runs go through
+`MaxText.train.main` in this process; the worker processes make each run ~10 s slower here, hence
+the slow marks.
 """
 
 from __future__ import annotations
