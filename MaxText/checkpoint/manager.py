@@ -227,27 +227,6 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
     raise CheckpointError(f"no readable checkpoint in {directory}")
 
 
-def check_model_before_compiling(config: Config) -> None:
-    """The checkpoint the run will start from holds this config's model, checked from its saved
-    config before anything is compiled (`ConfigError`, exit 2): the run's own newest checkpoint
-    whose config reads (with `enable_checkpointing`), else `load_parameters_path`'s. A folder with
-    no readable config is left to the restore, which reports it as it finds it."""
-    paths = [Path(config.checkpoint_dir).absolute()] if config.enable_checkpointing else []
-    if config.load_parameters_path:
-        paths.append(Path(config.load_parameters_path))
-    for path in paths:
-        if not path.is_dir():
-            continue
-        try:
-            step, saved = saved_config(path)
-        except (CheckpointError, ConfigError):
-            continue  # nothing readable, or no saved config: the restore decides as before
-        location = parameters.locate(path)
-        root = location.root if location is not None else find_step_dir(path)[0]
-        check_model(saved, config, root / str(step))
-        return
-
-
 def load_params(
     path: str | os.PathLike, abstract_params: Any, config: Config
 ) -> tuple[Any, Restored]:
