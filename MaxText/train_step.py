@@ -471,7 +471,7 @@ def pipelined_train_step(
 
 def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, specs) -> dict:
     """The pipelined step's parts of the `Trainer` (`mpmd_jit_with_loop`, compiled ahead of
-    time on the first state)."""
+    time on abstract inputs)."""
     from jaxpp_integration.schedules import schedule_from_name
 
     mpmd_mesh = sharding.make_mpmd_mesh(mesh)
@@ -491,20 +491,19 @@ def _build_mpmd(config, mesh, model, optimizer, lr_schedule, abstract_state, spe
     example_batch = put_batch(
         {k: np.zeros(v.shape, v.dtype) for k, v in batch_shapes(config).items()}
     )
-    first_state = [init_state()]  # compiling does not consume it: hand it to the loop once
+    batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
+    # Compiled on abstract inputs, as the planner does and as for SPMD: the engine reads only
+    # shapes and dtypes, so a run that resumes from a checkpoint never compiles or runs the
+    # random initialisation (which puts the whole state on one group). DPO: the reference
+    # parameters have the parameters' shapes and layout (set by the loop).
+    state_in, _, *reference = step_inputs(config, abstract_state)
     t0 = time.perf_counter()  # the step's compile alone, as for SPMD (not the initialisation)
-    # DPO: the reference parameters have the parameters' shapes and layout (set by the loop)
-    reference = (first_state[0]["params"],) if config.use_dpo else ()
     with sharding.axis_rules():  # activation constraints: batch-sharded inside each stage
-        compiled = pipelined.compile(first_state[0], example_batch, *reference)
+        compiled = pipelined.compile(state_in, batch_in, *reference)
     compile_seconds = time.perf_counter() - t0
     log.info("%s", compiled.reduction_choice.describe())
     if config.use_dpo:
         compiled = ReferenceStep(compiled)
-    fresh_state = init_state
-
-    def init_state():
-        return first_state.pop() if first_state else fresh_state()
 
     eval_pipelined = jaxpp.mpmd_jit_with_loop(
         make_eval_step(model, config.num_pipeline_microbatches, schedule),

@@ -47,8 +47,27 @@ def losses(run_dir) -> dict[int, dict]:
     return out
 
 
+def _forbid_initialisation(monkeypatch):
+    """From now on a trainer's `init_state()` raises: a resumed run must take its state from
+    the checkpoint alone, never compiling or running the random initialisation (a pipelined
+    trainer compiles its step on abstract inputs)."""
+    from MaxText import train_step
+
+    real = train_step._init_on
+
+    def guarded(*args, **kwargs):
+        _, shardings = real(*args, **kwargs)
+
+        def init_state():
+            raise AssertionError("a resumed run initialised a fresh state")
+
+        return init_state, shardings
+
+    monkeypatch.setattr(train_step, "_init_on", guarded)
+
+
 @pytest.mark.slow
-def test_tiny_moe_trains_resumes_converts_and_generates(tmp_path, capsys):
+def test_tiny_moe_trains_resumes_converts_and_generates(tmp_path, capsys, monkeypatch):
     layout = ["pipeline_parallelism=2", "ici_expert_parallelism=2"]
     argv = [BASE, *PRESET, *RUN, f"base_output_directory={tmp_path}"]
     assert train([*argv, *layout, "run_name=full"]) == 0
@@ -57,6 +76,7 @@ def test_tiny_moe_trains_resumes_converts_and_generates(tmp_path, capsys):
     assert full[2]["moe_lb_loss"] > 0 and full[2]["moe_tokens_per_expert_max"] > 0
     capsys.readouterr()
 
+    _forbid_initialisation(monkeypatch)  # the resumed runs: SPMD and pipelined
     for name, other in (("pp1_ep4", ["ici_expert_parallelism=4", SAME_MICROBATCHES]),
                         ("pp4_ep1", ["pipeline_parallelism=4", SAME_MICROBATCHES])):  # fmt: skip
         shutil.copytree(tmp_path / "full" / "checkpoints" / "1",
@@ -68,6 +88,7 @@ def test_tiny_moe_trains_resumes_converts_and_generates(tmp_path, capsys):
             np.testing.assert_allclose(resumed[2][key], full[2][key], err_msg=f"{name} {key}",
                                        rtol=reordered_sum_rtol(16 * 64))  # fmt: skip
 
+    monkeypatch.undo()
     hf = tmp_path / "hf"
     assert to_huggingface([BASE, f"base_output_directory={tmp_path}", "run_name=full",
                            f"hf_output_path={hf}"]) == 0  # fmt: skip
