@@ -4,21 +4,26 @@ step, the collectives of every task program, where the expert weights live, ever
 The model: the small trainer model (tests/small_model.py) with Mixtral's block, 4 experts, top 2,
 experts 32 wide, 4 layers; global batch 16 in 4 microbatches, `load_balance_loss_weight=0.02`,
 default keys otherwise (scanned layers, `gradient_reduction: auto`). The reference is `jax.jit`
-of the very same step function on one device (the MoE block then runs every token on one device,
-no shard_map and no all-to-all), from the same initial state.
+of the step function on one device (the MoE block then runs every token on one device, no
+shard_map and no all-to-all), from the same initial state. One reference serves every layout:
+the step of pp=2's even stages ([2, 2] layers); a layout with other stages ([3, 1], or four
+one-layer virtual stages) names its layers otherwise, so its state crosses to the reference's tree
+and back through the checkpoints' canonical tree (every layer its own sub-tree; exact), and all
+layouts start from the same initial values (the model's initialisation is the same in every
+layout, `init_params`).
 
-Tolerances of the step comparisons (tests/compare.py): the steps are compared one at a time,
-each from the same input state (`put_like`), since float32 differences grow step after step
-through Adam. Within one step the two programs compute the same values with their float32 sums in
-other orders: the gradient sums over the `expert` (and `data`) devices are deferred and added per
-device first, each device runs its experts on its own rows in other matmul shapes than one device
-running every token, and the microbatch partials are added per stage. Every loss and gradient
-entry is a sum over at most the step's 256 tokens (global batch 16 x 16; an expert's gradient over
-the token-slots routed to it, fewer), so each leaf is within Higham's reordered-sum bound
-`reordered_sum_rtol(256)` of its largest magnitude, Adam's `nu` holding squares of those sums
-(6.1e-5). A routing decision would flip only where a token's k-th and (k+1)-th router
-probabilities are within that rounding of each other; the fixed data has none (the step's tokens
-per expert, compared exactly as small integers in float32, would differ).
+Tolerances of the step comparisons (tests/compare.py): the steps are compared one at a time, each
+from the same input state, since float32 differences grow step after step through Adam. Within one
+step the two programs compute the same values with their float32 sums in other orders (and, for
+other stage layouts, in other layer scans): the gradient sums over the `expert` (and `data`) devices
+are deferred and added per device first, each device runs its experts on its own rows in other
+matmul shapes than one device running every token, and the microbatch partials are added per stage.
+Every loss and gradient entry is a sum over at most the step's 256 tokens (global batch 16 x 16; an
+expert's gradient over the token-slots routed to it, fewer), so each leaf is within Higham's
+reordered-sum bound `reordered_sum_rtol(256)` of its largest magnitude, Adam's `nu` holding squares
+of those sums (6.1e-5). A routing decision would flip only where a token's k-th and (k+1)-th router
+probabilities are within that rounding of each other; the fixed data has none (the step's tokens per
+expert, compared exactly as small integers in float32, would differ).
 """
 
 from __future__ import annotations
@@ -32,11 +37,10 @@ from compare import (
     assert_close_per_leaf,
     assert_on_group,
     host,
-    put_like,
     reordered_sum_rtol,
 )
 from small_model import SMALL_MODEL_SHAPE, merged
-from trainer_checks import fsdp_scatters_per_microbatch, random_batches
+from trainer_checks import fsdp_scatters_per_microbatch, random_batches, relayout
 
 from jaxpp_integration.schedules.builtin import SCHEDULE_NAMES
 from jaxpp_integration.tools.collectives import program_collectives, task_collectives
@@ -73,23 +77,14 @@ def moe_config(tmp_path, *overrides):
     )
 
 
-# Keys that change where the step runs (the mesh) or the order of its tasks (the schedule), not
-# the step function: the reference, `jax.jit` of that function on one device, is the same for
-# layouts differing only in them (checked when this was written: pp2 x ep2 under 1F1B, GPipe and
-# eager 1F1B, x data 2 and x fsdp 2 lower to one StableHLO text; interleaved 1F1B and DualPipeV
-# at 2 repeats to another), so those layouts share one jitted reference and trace it once. The
-# stage layout (`pipeline_stage_layers`, `num_pipeline_repeats`) names the state's leaves and
-# stays in the key.
-NOT_THE_STEP_FUNCTION = ("ici_data_parallelism=", "ici_fsdp_parallelism=", "pipeline_schedule=")
-
-
 @pytest.fixture(scope="module")
 def trainers(tmp_path_factory):
-    """Builds each layout's trainer once for the whole file; `trainers.reference(*overrides)`
-    is the `jax.jit` reference of its step (one per step function, `NOT_THE_STEP_FUNCTION`)."""
+    """Builds each layout's trainer once for the whole file; `trainers.reference()` is the
+    `jax.jit` reference step (pp=2 x ep=2's step function, on one device) and
+    `trainers.initial()` the initial state (numpy, in that trainer's layout)."""
     root = tmp_path_factory.mktemp("moe_pipeline")
     built: dict = {}
-    references: dict = {}
+    shared: dict = {}
 
     def get(*overrides):
         if overrides not in built:
@@ -98,16 +93,25 @@ def trainers(tmp_path_factory):
             built[overrides] = (config, build_trainer(config, mesh))
         return built[overrides]
 
-    def reference(*overrides):
-        key = tuple(o for o in overrides if not o.startswith(NOT_THE_STEP_FUNCTION))
-        if key not in references:
-            config, t = get(*overrides)
-            step = make_train_step(config, t.model, t.optimizer, t.lr_schedule)
-            references[key] = jax.jit(step)
-        return references[key]
+    def reference():
+        if "step" not in shared:
+            config, t = get(*PP2_EP2)
+            shared["step"] = jax.jit(make_train_step(config, t.model, t.optimizer, t.lr_schedule))
+        return shared["step"]
 
-    get.reference = reference
+    def initial():
+        if "state" not in shared:
+            shared["state"] = host(get(*PP2_EP2)[1].init_state())
+        return shared["state"]
+
+    get.reference, get.initial = reference, initial
     return get
+
+
+def initial_state(trainers, trainer):
+    """The file's initial state in `trainer`'s layout, placed as its step takes it."""
+    state = relayout(trainers.initial(), trainers(*PP2_EP2)[1], trainer)
+    return jax.device_put(state, trainer.state_shardings)
 
 
 def assert_same_step(want_state, want_metrics, state, metrics, what):
@@ -120,17 +124,17 @@ def assert_same_step(want_state, want_metrics, state, metrics, what):
 
 
 def run_against_jit(trainers, overrides, steps=3):
-    """Steps the pipelined trainer of `overrides` `steps` times and, before each step, `jax.jit`
-    of its step function on one device from the same input state; returns the pipelined metrics
-    of every step."""
+    """Steps the pipelined trainer of `overrides` `steps` times and, before each step, the
+    `jax.jit` reference from the same input state (crossing to its layout and back); returns the
+    pipelined metrics of every step."""
     config, trainer = trainers(*overrides)
-    reference = trainers.reference(*overrides)
-    template = trainer.init_state()  # placement of each leaf
-    state, seen = host(template), []
+    reference, ref_trainer = trainers.reference(), trainers(*PP2_EP2)[1]
+    state, seen = host(initial_state(trainers, trainer)), []
     for i, batch in enumerate(random_batches(config, steps)):
-        want_state, want_metrics = host(reference(state, batch))
-        got = trainer.train_step(put_like(template, state), trainer.put_batch(batch))
-        state, metrics = host(got)
+        want_state, want_metrics = host(reference(relayout(state, trainer, ref_trainer), batch))
+        want_state = relayout(want_state, ref_trainer, trainer)
+        placed = jax.device_put(state, trainer.state_shardings)
+        state, metrics = host(trainer.train_step(placed, trainer.put_batch(batch)))
         assert_same_step(want_state, want_metrics, state, metrics, f"step {i}")
         seen.append(metrics)
     assert int(state["step"]) == steps
@@ -222,7 +226,7 @@ def test_moe_with_fsdp_scatters_each_layer_over_fsdp_only(trainers):
     compiled = trainer.train_step
     choice = compiled.reduction_choice
     assert (choice.deferred_axes, choice.scattered_axes) == (("expert",), ("fsdp",))
-    state = trainer.init_state()
+    state = initial_state(trainers, trainer)
     wi = state["params"]["layers_stage_0"]["mlp"]["wi_0"]
     assert wi.sharding.spec[1:3] == ("expert", "fsdp"), wi.sharding.spec
     m = config.num_pipeline_microbatches
@@ -249,7 +253,7 @@ def test_expert_weights_live_on_their_expert_shard(trainers):
     attention weights whole on every device of the group."""
     config, trainer = trainers(*PP2_EP2_DATA2)
     batch = trainer.put_batch(random_batches(config, 1)[0])
-    state, _ = trainer.train_step(trainer.init_state(), batch)
+    state, _ = trainer.train_step(initial_state(trainers, trainer), batch)
     ep, per = config.mesh_expert, E // config.mesh_expert
     mesh = trainer.mpmd_mesh
     found = 0

@@ -20,9 +20,10 @@ import optax
 import pytest
 from compare import assert_bitwise, assert_close_per_leaf, host, put_like, reordered_sum_rtol
 from small_model import SMALL_MODEL, SMALL_MODEL_TOKENS, merged
+from trainer_checks import relayout
 
 from MaxText import sharding
-from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack
+from MaxText.checkpoint.layout import CanonicalLayout
 from MaxText.cluster import devices
 from MaxText.config import CONFIGS_DIR, load_config
 from MaxText.model import Decoder, cross_entropy_sums
@@ -118,18 +119,6 @@ def stepped_alike(reference, candidate, steps=3) -> list:
         )
     assert int(state["step"]) == steps
     return out
-
-
-def relayout(state, source, target):
-    """`state` (numpy, in trainer `source`'s layout) in trainer `target`'s layout."""
-    if jax.tree.structure(source.abstract_state) == jax.tree.structure(target.abstract_state):
-        return state
-    flat = jax.tree.leaves(
-        CanonicalLayout(source.abstract_state).to_canonical(jax.tree.leaves(state))
-    )
-    layout = CanonicalLayout(target.abstract_state)
-    back = layout.from_canonical(flat, range(len(flat)), numpy_stack)
-    return jax.tree.unflatten(layout.treedef, [back[j] for j in range(len(back))])
 
 
 def assert_steps_agree(steps: list, rtol: float) -> None:

@@ -1,11 +1,14 @@
 """Helpers shared by the trainer tests that step a built trainer on their own batches
-(tests/test_moe_pipeline.py, tests/test_scanned_pipeline.py) or count its collectives from the
+(tests/test_moe_pipeline.py, tests/test_scanned_pipeline.py), move a state between two trainers'
+layouts (tests/test_train.py, tests/test_moe_pipeline.py) or count its collectives from the
 state's layout (tests/test_collectives_trainer.py)."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+
+from MaxText.checkpoint.layout import CanonicalLayout, numpy_stack
 
 
 def random_batches(config, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -32,3 +35,17 @@ def fsdp_scatters_per_microbatch(state) -> int:
         if "fsdp" in spec:
             total += leaf.shape[0] if str(path[0].key).startswith("layers_stage_") else 1
     return total
+
+
+def relayout(state, source, target):
+    """`state` (numpy, in trainer `source`'s layout) in trainer `target`'s layout, through the
+    checkpoints' canonical tree (every layer its own sub-tree): exact, the same values."""
+    shapes = [jax.tree.map(lambda a: a.shape, t.abstract_state) for t in (source, target)]
+    if shapes[0] == shapes[1]:  # the same tree and shapes: the same layout
+        return state
+    flat = jax.tree.leaves(
+        CanonicalLayout(source.abstract_state).to_canonical(jax.tree.leaves(state))
+    )
+    layout = CanonicalLayout(target.abstract_state)
+    back = layout.from_canonical(flat, range(len(flat)), numpy_stack)
+    return jax.tree.unflatten(layout.treedef, [back[j] for j in range(len(back))])
