@@ -320,12 +320,13 @@ def init_compiler_options(mesh: Mesh) -> dict:
     return CPU_INIT_COMPILER_OPTIONS if mesh.devices.flat[0].platform == "cpu" else {}
 
 
-def _init_on(mesh: Mesh, config, model, optimizer, specs):
-    """(init_state(), shardings): a fresh state from `config.init_weights_seed`, sharded over
-    `mesh`.
+def init_programs(mesh: Mesh, config, model, optimizer, specs):
+    """(canonical, layout, shardings): the fresh state's two programs on `mesh`, not compiled.
 
-    Two programs: `canonical_init` (every layer stacked; the same program whatever the layer
-    layout, so the same values), then the state in this layout's tree built from it."""
+    `canonical(rng)` makes every layer's parameters stacked (the same program whatever the
+    layer layout, so the same values); `layout(rng, canonical)` the state in this layout's tree
+    (optimizer state included), placed by `shardings`. benchmarks/init_memory.py compiles them
+    on abstract inputs at scale."""
     shardings = sharding.named_shardings(mesh, specs)
     tokens = jnp.zeros((1, config.max_target_length), jnp.int32)
     canonical_fn = functools.partial(canonical_init, config, tokens_BxL=tokens)
@@ -338,6 +339,13 @@ def _init_on(mesh: Mesh, config, model, optimizer, specs):
     )
     init = make_init_fn(config, model, optimizer)
     jitted = jax.jit(lambda rng, canonical: nn.unbox(init(rng, canonical)), out_shardings=shardings)
+    return canonical_jit, jitted, shardings
+
+
+def _init_on(mesh: Mesh, config, model, optimizer, specs):
+    """(init_state(), shardings): a fresh state from `config.init_weights_seed`, sharded over
+    `mesh` (`init_programs`, compiled at the first call)."""
+    canonical_jit, jitted, shardings = init_programs(mesh, config, model, optimizer, specs)
     compiled = []
 
     def init_state():
