@@ -1,5 +1,6 @@
-"""The built-in pipeline schedules and `UserSchedule`: pure functions from (stages, groups,
-microbatches) to one task list per rank.
+"""The built-in pipeline schedules: pure functions from (stages, groups, microbatches) to one
+task list per rank, and `schedule_from_name`. The `Schedule` base class lives in `base.py`,
+`UserSchedule` (a schedule given as data) in `user.py`; both are re-exported here.
 
 The task vocabulary (`Phase`, `Task`, `FusedTask`, the dependency rules) lives in `tasks.py`; the
 one validator and list-scheduling replay every schedule shares, with the rank x step error grid,
@@ -15,11 +16,10 @@ Naming: ``stage`` is a pipeline stage id (0 = first layer block), ``rank`` is an
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from jaxpp_integration.schedules.base import Schedule, check_mpmd_dim
 from jaxpp_integration.schedules.tasks import (  # noqa: F401  (re-exported: the schedule vocabulary)
     FusedTask,
     Item,
@@ -33,6 +33,7 @@ from jaxpp_integration.schedules.tasks import (  # noqa: F401  (re-exported: the
     item_tasks,
     task_dependencies,
 )
+from jaxpp_integration.schedules.user import UserSchedule
 from jaxpp_integration.schedules.validation import (  # noqa: F401  (re-exported)
     ScheduledItem,
     format_grid,
@@ -73,64 +74,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Schedules
 # --------------------------------------------------------------------------------------------
-
-
-class Schedule(abc.ABC):
-    """A pipeline schedule: placement of stages on ranks and one task list per rank.
-
-    Subclasses are frozen dataclasses (hashable, usable as jit static arguments) and must set
-    ``num_stages``, ``mpmd_dim`` and ``split_backward`` and implement ``tasks``.
-    """
-
-    num_stages: int
-    mpmd_dim: int
-    split_backward: ClassVar[bool] = False
-
-    @abc.abstractmethod
-    def tasks(self, n_microbatches: int) -> list[list[Item]]:
-        """One list per rank (index = rank) of the items that rank runs, in order."""
-
-    def stage_to_rank(self, stage: StageId) -> RankId:
-        """Rank that holds ``stage`` (default: loop placement, ``stage % mpmd_dim``)."""
-        self._check_stage(stage)
-        return stage % self.mpmd_dim
-
-    def rank_stages(self, rank: RankId) -> tuple[StageId, ...]:
-        """Stages held by ``rank``, ascending."""
-        if not 0 <= rank < self.mpmd_dim:
-            raise ValueError(f"rank {rank} out of range for mpmd_dim={self.mpmd_dim}")
-        return tuple(s for s in range(self.num_stages) if self.stage_to_rank(s) == rank)
-
-    def validate(self, n_microbatches: int) -> None:
-        """Build ``tasks(n_microbatches)`` and run the validator on it."""
-        validate_tasks(
-            self.tasks(n_microbatches),
-            self.num_stages,
-            self.mpmd_dim,
-            n_microbatches,
-            self.split_backward,
-            self.stage_to_rank,
-        )
-
-    def microbatch_rule(self) -> tuple[int, int]:
-        """(multiple, minimum): ``tasks(n)`` accepts n microbatches when n is a multiple of
-        ``multiple`` and at least ``minimum`` (the trainer's config checks the same rule)."""
-        return 1, 1
-
-    def _check_stage(self, stage: StageId) -> None:
-        if not 0 <= stage < self.num_stages:
-            raise ValueError(f"stage {stage} out of range for num_stages={self.num_stages}")
-
-    def _check_microbatches(self, n_microbatches: int) -> None:
-        if not isinstance(n_microbatches, int) or n_microbatches < 1:
-            raise ScheduleError(
-                f"{self!r}.tasks(n_microbatches={n_microbatches!r}): need an int >= 1"
-            )
-
-
-def _check_mpmd_dim(name: str, mpmd_dim: object) -> None:
-    if not isinstance(mpmd_dim, int) or isinstance(mpmd_dim, bool) or mpmd_dim < 1:
-        raise ScheduleError(f"{name}(mpmd_dim={mpmd_dim!r}): mpmd_dim must be an int >= 1")
 
 
 def _one_f_one_b(
@@ -185,7 +128,7 @@ class GPipe(Schedule):
     mpmd_dim: int
 
     def __post_init__(self) -> None:
-        _check_mpmd_dim("GPipe", self.mpmd_dim)
+        check_mpmd_dim("GPipe", self.mpmd_dim)
 
     @property
     def num_stages(self) -> int:  # type: ignore[override]
@@ -211,7 +154,7 @@ class Std1F1B(Schedule):
     mpmd_dim: int
 
     def __post_init__(self) -> None:
-        _check_mpmd_dim("Std1F1B", self.mpmd_dim)
+        check_mpmd_dim("Std1F1B", self.mpmd_dim)
 
     @property
     def num_stages(self) -> int:  # type: ignore[override]
@@ -238,7 +181,7 @@ class Eager1F1B(Schedule):
     mpmd_dim: int
 
     def __post_init__(self) -> None:
-        _check_mpmd_dim("Eager1F1B", self.mpmd_dim)
+        check_mpmd_dim("Eager1F1B", self.mpmd_dim)
 
     @property
     def num_stages(self) -> int:  # type: ignore[override]
@@ -274,7 +217,7 @@ class Interleaved1F1B(Schedule):
     fuse_steady_state: bool = False
 
     def __post_init__(self) -> None:
-        _check_mpmd_dim("Interleaved1F1B", self.mpmd_dim)
+        check_mpmd_dim("Interleaved1F1B", self.mpmd_dim)
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ScheduleError(
                 f"Interleaved1F1B(num_stages={self.num_stages!r}): need an int >= 1"
@@ -331,7 +274,7 @@ class ZeroBubble(Schedule):
     split_backward: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _check_mpmd_dim("ZeroBubble", self.mpmd_dim)
+        check_mpmd_dim("ZeroBubble", self.mpmd_dim)
 
     @property
     def num_stages(self) -> int:  # type: ignore[override]
@@ -393,7 +336,7 @@ class DualPipeV(Schedule):
     fuse_overlap: bool = False
 
     def __post_init__(self) -> None:
-        _check_mpmd_dim("DualPipeV", self.mpmd_dim)
+        check_mpmd_dim("DualPipeV", self.mpmd_dim)
 
     @property
     def num_stages(self) -> int:  # type: ignore[override]
@@ -480,103 +423,6 @@ class DualPipeV(Schedule):
         extra = "" if self.split_backward else ", split_backward=False"
         extra += ", fuse_overlap=True" if self.fuse_overlap else ""
         return f"DualPipeV(mpmd_dim={self.mpmd_dim}{extra})"
-
-
-class UserSchedule(Schedule):
-    """A schedule given as data: per-rank task lists for one fixed number of microbatches, or a
-    callable ``n_microbatches -> per-rank lists``.
-
-    ``stage_to_rank`` is a callable or a sequence indexed by stage (default
-    ``stage % mpmd_dim``). ``split_backward`` defaults to whether the lists use bwdI/bwdW (for a
-    callable: False). Fixed lists are validated at construction; ``validate(n)`` checks a
-    callable's output. Instances are immutable and hashable (a callable by identity).
-    """
-
-    def __init__(
-        self,
-        per_rank_tasks: Sequence[Sequence[Item]] | Callable[[int], Sequence[Sequence[Item]]],
-        num_stages: int,
-        mpmd_dim: int,
-        stage_to_rank: Callable[[StageId], RankId] | Sequence[RankId] | None = None,
-        *,
-        split_backward: bool | None = None,
-    ) -> None:
-        _check_mpmd_dim("UserSchedule", mpmd_dim)
-        if not isinstance(num_stages, int) or num_stages < 1:
-            raise ScheduleError(f"UserSchedule(num_stages={num_stages!r}): need an int >= 1")
-        fn = resolve_stage_to_rank(stage_to_rank, mpmd_dim)
-        try:
-            placement = tuple(int(fn(s)) for s in range(num_stages))
-        except (IndexError, TypeError) as e:
-            raise ScheduleError(
-                f"UserSchedule: stage_to_rank must give a rank for each of the {num_stages} "
-                f"stages ({e})"
-            ) from None
-        bad = [(s, r) for s, r in enumerate(placement) if not 0 <= r < mpmd_dim]
-        if bad:
-            s, r = bad[0]
-            raise ScheduleError(
-                f"UserSchedule: stage_to_rank({s}) = {r} is not a rank of mpmd_dim={mpmd_dim}"
-            )
-        fixed: tuple[tuple[Item, ...], ...] | None = None
-        n_fixed = None
-        if callable(per_rank_tasks):
-            split = bool(split_backward)
-        else:
-            fixed = tuple(tuple(row) for row in per_rank_tasks)
-            all_tasks = [
-                t for row in fixed for item in row if isinstance(item, Task | FusedTask)
-                for t in item_tasks(item)
-            ]  # fmt: skip
-            n_fixed = max((t.microbatch for t in all_tasks), default=-1) + 1
-            split = (
-                any(t.phase in (Phase.BWD_I, Phase.BWD_W) for t in all_tasks)
-                if split_backward is None
-                else split_backward
-            )
-        object.__setattr__(self, "_source", fixed if fixed is not None else per_rank_tasks)
-        object.__setattr__(self, "_n_fixed", n_fixed)
-        object.__setattr__(self, "_placement", placement)
-        object.__setattr__(self, "num_stages", num_stages)
-        object.__setattr__(self, "mpmd_dim", mpmd_dim)
-        object.__setattr__(self, "split_backward", split)
-        if fixed is not None:
-            self.validate(max(n_fixed, 1))
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"UserSchedule is immutable; cannot set {name}")
-
-    def _key(self) -> tuple:
-        return (self._source, self.num_stages, self.mpmd_dim, self._placement, self.split_backward)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, UserSchedule) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        src = f"m={self._n_fixed}" if self._n_fixed is not None else f"fn={self._source!r}"
-        return (
-            f"UserSchedule({src}, num_stages={self.num_stages}, mpmd_dim={self.mpmd_dim}, "
-            f"stage_to_rank={self._placement})"
-        )
-
-    def stage_to_rank(self, stage: StageId) -> RankId:
-        self._check_stage(stage)
-        return self._placement[stage]
-
-    def tasks(self, n_microbatches: int) -> list[list[Item]]:
-        self._check_microbatches(n_microbatches)
-        if self._n_fixed is None:
-            return [list(row) for row in self._source(n_microbatches)]
-        if n_microbatches != self._n_fixed:
-            raise ScheduleError(
-                f"{self!r} lists tasks for {self._n_fixed} microbatches but "
-                f"{n_microbatches} were asked for; use n_microbatches={self._n_fixed} or build "
-                f"the UserSchedule from a callable n -> per-rank lists"
-            )
-        return [list(row) for row in self._source]
 
 
 # Stages each rank holds, by config name (None: any number, the same on every rank).
