@@ -22,6 +22,7 @@ from compare import (
     reordered_sum_rtol,
 )
 from small_model import SMALL_MODEL, SMALL_MODEL_TOKENS, merged
+from trainer_checks import built_once
 from trainer_checks import random_batches as batches
 
 from MaxText import sharding
@@ -136,14 +137,7 @@ LAYOUTS = {
 def trainers(tmp_path_factory):
     """`trainers(*overrides)`: (config, trainer) built once for the whole file (the one-layer
     DualPipeV step test and the checkpoint test share theirs; none writes into its folder)."""
-    root, built = tmp_path_factory.mktemp("trainers"), {}
-
-    def get(*overrides):
-        if overrides not in built:
-            built[overrides] = build(root, *overrides)
-        return built[overrides]
-
-    return get
+    return built_once(build, tmp_path_factory.mktemp("trainers"))
 
 
 def run_against_jit(trainers, schedule, *overrides, steps=2, rtol=0.0):

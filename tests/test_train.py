@@ -20,7 +20,7 @@ import optax
 import pytest
 from compare import assert_bitwise, assert_close_per_leaf, host, put_like, reordered_sum_rtol
 from small_model import SMALL_MODEL, SMALL_MODEL_TOKENS, merged
-from trainer_checks import relayout
+from trainer_checks import built_once, relayout
 
 from MaxText import sharding
 from MaxText.checkpoint.layout import CanonicalLayout
@@ -136,14 +136,7 @@ def assert_steps_agree(steps: list, rtol: float) -> None:
 def trainers(tmp_path_factory):
     """`trainers(*overrides)`: (config, trainer) of SMALL with `overrides`, built once for the
     whole file (tests of one layout share its compiled steps; none writes into its folder)."""
-    root, built = tmp_path_factory.mktemp("trainers"), {}
-
-    def get(*overrides):
-        if overrides not in built:
-            built[overrides] = build(root, *overrides)
-        return built[overrides]
-
-    return get
+    return built_once(build, tmp_path_factory.mktemp("trainers"))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Helpers shared by the trainer tests that step a built trainer on their own batches
-(tests/test_moe_pipeline.py, tests/test_scanned_pipeline.py), move a state between two trainers'
-layouts (tests/test_train.py, tests/test_moe_pipeline.py) or count its collectives from the
-state's layout (tests/test_collectives_trainer.py)."""
+(tests/test_moe_pipeline.py, tests/test_scanned_pipeline.py), build each layout's trainer once
+(`built_once`: tests/test_train.py, tests/test_scanned_pipeline.py), move a state between two
+trainers' layouts (tests/test_train.py, tests/test_moe_pipeline.py) or count its collectives from
+the state's layout (tests/test_collectives_trainer.py)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def relayout(state, source, target):
     layout = CanonicalLayout(target.abstract_state)
     back = layout.from_canonical(flat, range(len(flat)), numpy_stack)
     return jax.tree.unflatten(layout.treedef, [back[j] for j in range(len(back))])
+
+
+def built_once(build, root):
+    """`get(*overrides)`: `build(root, *overrides)` made once per distinct `overrides` (a module
+    fixture's trainers, shared by the file's tests)."""
+    built: dict = {}
+
+    def get(*overrides):
+        if overrides not in built:
+            built[overrides] = build(root, *overrides)
+        return built[overrides]
+
+    return get
