@@ -80,6 +80,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jaxpp_integration as jaxpp  # noqa: E402
+from benchmarks.engine_overhead_report import print_compile, print_dispatch, print_steps  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from jaxpp_integration import api as jaxpp_api  # noqa: E402
 from jaxpp_integration.jax_compat import copy_shards  # noqa: E402
@@ -463,25 +464,6 @@ def bench_compile(cfg, reps):
     }
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def print_compile(compile_):
-    cm, cc = compile_["median_s"], compile_["median_cpu_s"]
-    print("3. compile time (median, after jax.clear_caches()); wall and process CPU time")
-    print(f"  {'jit_1dev':22s} {cm['jit_1dev']:6.2f} s  cpu {cc['jit_1dev']:6.2f} s")
-    for n in COMPILE_VARIANTS:
-        st = compile_["mpmd_compile_stats"][n]
-        print(
-            f"  {n:22s} {cm[n]:6.2f} s  = {compile_['ratio_vs_jit'][n]:.2f} x jit  "
-            f"cpu {cc[n]:6.2f} s = {compile_['cpu_ratio_vs_jit'][n]:.2f} x  "
-            f"({st['xla_compiles']} XLA compiles + {st['loaded']} loaded for "
-            f"{compile_['mpmd_num_executables'][n]} executables, "
-            f"{compile_['mpmd_task_xla_compile_median_s'][n]:.2f} s in compile_program)"
-        )
-    print(f"  goal: <= {GOALS['compile_ratio']} x")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=30, help="timed steps per variant (step time)")
@@ -507,7 +489,7 @@ def main():
             )
             + "\n"
         )
-        print_compile(compile_)
+        print_compile(compile_, COMPILE_VARIANTS, GOALS)
         print(
             f"load avg {info['loadavg_start'][0]:.1f} -> {info['loadavg_end'][0]:.1f}; wrote {out}"
         )
@@ -543,80 +525,11 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
-    ms = lambda s: f"{s * 1e3:8.1f} ms"  # noqa: E731
-    sm, sr = steps["median_s"], steps["ratio_vs_jit"]
+    print_steps(info, steps, SCHEDULES, GOALS)
     print()
-    print(
-        f"machine: {info['cpu_count']} CPUs ({info['cpu_model'] or 'unknown model'}), "
-        f"jax {info['jax']}, {info['num_devices']} emulated CPU devices, "
-        f"load avg {info['loadavg_start'][0]:.1f} -> {info['loadavg_end'][0]:.1f}, "
-        f"{info['date']}"
-    )
+    print_dispatch(dispatch, GOALS)
     print()
-    print(
-        f"{'1. step time (median)':34s} {'time':>11s} {'/ jit':>7s} {'round ratio':>12s} "
-        f"{'serialized tasks':>17s}   (/ jit: median of {steps['repeats']} repeats)"
-    )
-    print(f"{'  jit_1dev  (1 device)':34s} {ms(sm['jit_1dev'])} {'1.00':>7s}")
-    for n in SCHEDULES:
-        label = f"  {n} ({SCHEDULES[n][0]} device{'s' if SCHEDULES[n][0] > 1 else ''})"
-        print(
-            f"{label:34s} {ms(sm[n])} {sr[n]:7.2f} "
-            f"{steps['median_round_ratio_vs_jit'][n]:12.2f} "
-            f"{ms(steps['serialized_task_sum_s'][n]):>17s}"
-        )
-    print(
-        "  repeats / jit: "
-        + "; ".join(
-            f"{n} " + ", ".join(f"{r:.2f}" for r in steps["repeat_ratios_vs_jit"][n])
-            for n in SCHEDULES
-        )
-    )
-    print(
-        f"  goals: mpmd_1group / jit <= {GOALS['step_ratio_1group']}, "
-        f"mpmd_4groups / jit <= {GOALS['step_ratio']} "
-        f"(see README: on 2 shared CPU cores 4 groups cannot beat 1 device)"
-    )
-    print()
-    d = dispatch
-    c = d["instructions"]
-    print(
-        f"2. host dispatch, tiny model, mpmd_4groups: {c['run']} tasks, {c['transfer']} "
-        f"transfers, {c['fill']} fills, {c['delete']} deletes (folded into releases) per step"
-    )
-    print(
-        f"  whole step               {d['step_median_s'] * 1e3:7.2f} ms  -> "
-        f"{d['us_per_task_instance']:6.1f} us/task instance (median of "
-        f"{len(d['us_per_task_instance_per_repeat'])} repeats: "
-        + ", ".join(f"{x:.1f}" for x in d["us_per_task_instance_per_repeat"])
-        + f"), {d['us_per_instruction']:5.1f} us/instruction"
-    )
-    print(
-        f"  same step, CPU time of the calling thread only: "
-        f"{d['step_calling_thread_cpu_median_s'] * 1e3:.2f} ms -> "
-        f"{d['cpu_us_per_task_instance']:6.1f} us/task instance"
-    )
-    print(
-        f"  runtime.execute walk     {d['execute_walk_median_s'] * 1e3:7.2f} ms  -> "
-        f"{d['walk_us_per_task_instance']:6.1f} us/task instance, "
-        f"{d['walk_us_per_instruction']:5.1f} us/instruction"
-    )
-    b = d["walk_breakdown_median_ms"]
-    print(
-        f"  split of a separately timed walk ({d['breakdown_walk_median_ms']:.2f} ms): "
-        f"{b['in_task_executables']:.2f} ms in {c['run']} task calls, "
-        f"{b['in_transfers']:.2f} ms in {c['transfer']} transfers, "
-        f"{b['deletes_and_bookkeeping']:.2f} ms releases + bookkeeping "
-        f"({d['engine_own_us_per_task_instance']:.1f} us/task instance)"
-    )
-    print(
-        f"  JAX floor: bare call of one task executable {d['bare_executable_call_us']:.1f} us, "
-        f"bare cross-group device_put {d['bare_transfer_us']:.1f} us "
-        f"(the runtime's copy_shards {d['bare_copy_shards_us']:.1f} us)"
-    )
-    print(f"  goal: <= {GOALS['dispatch_us_per_task']:.0f} us per task instance")
-    print()
-    print_compile(compile_)
+    print_compile(compile_, COMPILE_VARIANTS, GOALS)
     print()
     print(
         f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out} "
