@@ -123,9 +123,11 @@ def run(
     try:
         loop.train(stops)
     except BaseException:
-        loop.close(after_error=True)
+        with stops.stop_now_deferred():  # a second Ctrl-C never cuts the data workers' stop
+            loop.close(after_error=True)
         raise
-    loop.close()
+    with stops.stop_now_deferred():
+        loop.close()
     return loop.last
 
 
@@ -208,7 +210,8 @@ class _Loop:
         every = _read_every(config)
         stops.loop_started()
         for step in range(self.start + 1, config.steps + 1):
-            rows = next(train_iter)
+            with stops.stop_now_deferred():  # a second Ctrl-C waits for the batch in hand
+                rows = next(train_iter)
             self.count_examples(rows)
             batch = trainer.put_batch(rows)
             step_kwargs = self.profiler.step_kwargs(step)  # starts the trace; engine timing

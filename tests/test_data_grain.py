@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import time
 import types
 
 import numpy as np
@@ -267,6 +268,28 @@ def test_batches_are_packed_rows_and_resume_is_exact_with_other_worker_count(pre
     got = take(again.train, 6)
     again.train.close()
     assert_bitwise(expected, got, "batches after resume")
+
+
+def test_close_unlinks_the_shared_memory_of_every_batch_read(prepared, monkeypatch):
+    """A worker hands each batch over in shared memory, which grain unlinks on a background
+    thread once the batch is read; `close()` waits for that thread, so a process exiting right
+    after (a second Ctrl-C ends in `os._exit`) leaves nothing behind for multiprocessing's
+    resource tracker to unlink and warn about. That thread is slowed down here (0.3 s per
+    segment), as on a loaded machine: the segments are still gone when `close()` returns."""
+    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+
+    unlink = SharedMemoryArray.close_shm_async
+
+    def slow(shm, unlink_it):
+        time.sleep(0.3)
+        unlink(shm, unlink_it)
+
+    monkeypatch.setattr(SharedMemoryArray, "close_shm_async", slow)
+    before = set(os.listdir("/dev/shm"))
+    data = make_data(config(prepared[0], grain_worker_count=1))
+    take(data.train, 3)
+    data.train.close()
+    assert set(os.listdir("/dev/shm")) - before == set()
 
 
 def test_shuffle_seed_and_state_fingerprint(prepared):

@@ -285,6 +285,45 @@ def test_a_second_sigint_stops_at_once_without_saving(shards, tmp_path):
         assert integrity.verify_checksums(tmp_path / "run" / "checkpoints" / str(step))
 
 
+DEFERRED_STOP = """
+import os, signal, sys, threading
+from MaxText.cluster import preemption
+preemption.STOP_NOW_WAIT_S = float(sys.argv[1])
+with preemption.StopRequests() as stops:
+    stops.loop_started()
+    stops.on_stop_now = lambda: "cleanup ran"
+    os.kill(os.getpid(), signal.SIGINT)  # the first: save after the step in flight
+    with stops.stop_now_deferred():
+        os.kill(os.getpid(), signal.SIGINT)  # the second, inside the block
+        print("still in the block", flush=True)
+        if sys.argv[2] == "hangs":
+            threading.Event().wait()
+    print("after the block", flush=True)
+"""
+
+
+@pytest.mark.parametrize("block", ["ends", "hangs"])
+def test_a_second_sigint_inside_a_data_fetch_stops_when_it_ends(block):
+    """The loop's data fetch is a `stop_now_deferred` block: a second Ctrl-C there (its handler
+    runs in the main thread, inside grain's reader) stops the process when the block ends, not
+    in the middle of it, and after `STOP_NOW_WAIT_S` (here 1 s) if the block never ends."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", DEFERRED_STOP, "1.0", block],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stdout.splitlines() == ["still in the block"], done.stdout
+    assert "SIGINT again: stopping now without saving; cleanup ran" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    if block == "hangs":
+        assert time.monotonic() - started >= 1.0
+
+
 def _signal_one_of_two(shards, tmp_path, signum: int) -> tuple[Trainer, str, dict, int]:
     """A 2-process run (pp=2) under the launcher; `signum` sent to process 1 alone at step 5.
     Returns (launcher, output, {"[p0]": exit code text, "[p1]": ...}, the step both stopped

@@ -10,6 +10,8 @@ signal's number (`exit_code`: 143 for SIGTERM, 130 for SIGINT).
   at once without saving (`stop_now`: the loop's `on_stop_now` callback stops the data workers
   and names the newest checkpoint on disk, then the process exits 130; checkpoints already
   written are untouched, a save in flight is left as a temporary folder the next run removes).
+  A second SIGINT during the loop's data fetch (`stop_now_deferred`) takes effect when the fetch
+  ends (at most `STOP_NOW_WAIT_S` later), never inside grain's reader.
   A signal that arrives before the first step (while compiling) stops the process right away
   (`StoppedBeforeStart`): there is nothing new to save.
 - **Several processes** (`jax.distributed` started): SIGTERM is left to JAX's preemption notifier,
@@ -26,18 +28,24 @@ signal's number (`exit_code`: 143 for SIGTERM, 130 for SIGINT).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from MaxText import exit_codes
 
 log = logging.getLogger("MaxText")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# How long a second Ctrl-C waits for a deferring block (`stop_now_deferred`: the loop's data
+# fetch) to end before stopping anyway: a fetch takes milliseconds; one that hangs must not keep
+# the process from stopping.
+STOP_NOW_WAIT_S = 5.0
 
 
 class StoppedBeforeStart(BaseException):  # noqa: N818 (not an error: a requested stop)
@@ -72,6 +80,9 @@ class StopRequests:
         self._started = False
         self._sync: Callable[[int], bool] | None = None
         self._previous: dict[int, object] = {}
+        self._deferring = 0  # depth of `stop_now_deferred` blocks the main thread is in
+        self._deferred: int | None = None  # a second SIGINT waiting for that block to end
+        self._exiting: int | None = None  # the thread running `stop_now`
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is not threading.main_thread():
@@ -112,10 +123,31 @@ class StopRequests:
         # several processes: a peer's preemption notice counts as SIGTERM
         return exit_codes.after_signal(self.signum or signal.SIGTERM)
 
+    @contextlib.contextmanager
+    def stop_now_deferred(self) -> Iterator[None]:
+        """A block a second Ctrl-C must not cut short (the loop's data fetch: the handler runs
+        in the main thread, and stopping the data workers from inside their reader, mid-batch,
+        can leave that batch's shared memory behind or wait on a lock the reader holds). A
+        second SIGINT inside it stops the process when the block ends, or after
+        `STOP_NOW_WAIT_S` if it does not."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if self._deferring == 0 and self._deferred is not None:
+                self.stop_now(self._deferred)
+
     def _handle(self, signum: int, _frame) -> None:
         if self.signum is not None:
-            if signum == signal.SIGINT:
-                self.stop_now(signum)
+            if signum == signal.SIGINT and self._deferred is None:
+                if self._deferring:
+                    self._deferred = signum
+                    late = threading.Timer(STOP_NOW_WAIT_S, self.stop_now, (signum,))
+                    late.daemon = True
+                    late.start()
+                else:
+                    self.stop_now(signum)
             return  # a repeated SIGTERM changes nothing
         self.signum = signum
         name = signal.Signals(signum).name
@@ -130,7 +162,16 @@ class StopRequests:
         )
 
     def stop_now(self, signum: int) -> None:
-        """Exits at once with 128 + `signum` after the loop's `on_stop_now` cleanup."""
+        """Exits at once with 128 + `signum` after the loop's `on_stop_now` cleanup. Once: the
+        end of a deferring block and its timer may both call it (the second waits for the
+        exit), and a Ctrl-C during the cleanup returns to it."""
+        if self._exiting == threading.get_ident():
+            return
+        _STOP_NOW_LOCK.acquire()  # never released: os._exit follows
+        self._exiting = threading.get_ident()
+        self._stop_now(signum)
+
+    def _stop_now(self, signum: int) -> None:
         try:
             tail = self.on_stop_now()
         except Exception as e:  # noqa: BLE001 (exiting anyway: say why the cleanup failed)
@@ -144,6 +185,9 @@ class StopRequests:
         sys.stdout.flush()
         _release_process_semaphores()
         os._exit(exit_codes.after_signal(signum))
+
+
+_STOP_NOW_LOCK = threading.Lock()  # taken by the one `stop_now` that exits
 
 
 def _release_process_semaphores() -> None:

@@ -293,6 +293,26 @@ def _worker_init(_index: int, _count: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _finish_shared_memory_deletions() -> None:
+    """Waits for the unlinking of the shared memory of batches already read. grain hands a
+    worker's batch over in shared memory and unlinks it, once read, on a background thread;
+    a process that exits right after closing its iterator (a second Ctrl-C ends with
+    `os._exit`) would leave what that thread had not done yet to multiprocessing's resource
+    tracker, which unlinks it and warns of "leaked shared_memory objects". The thread pool has no
+    public name in grain 0.2.18, hence the guards; grain starts a new one with the next worker."""
+    try:
+        from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+    except ImportError:
+        return
+    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
+    disable = getattr(SharedMemoryArray, "_disable_async_del", None)
+    if pool is None or disable is None:
+        return
+    disable()  # batches released from now on are unlinked at once, by whoever releases them
+    pool.close()
+    pool.join()
+
+
 def _absl_flags_parsed() -> None:
     """grain's worker processes read absl flags (their defaults here): mark them parsed, as an
     absl app would, when the trainer was not started through absl."""
@@ -340,6 +360,7 @@ class GrainBatchIterator(Iterator[dict[str, np.ndarray]]):
         close = getattr(self._it, "close", None)
         if close is not None:
             close()
+            _finish_shared_memory_deletions()
         self._it = None
 
     def __next__(self) -> dict[str, np.ndarray]:
