@@ -47,6 +47,14 @@ for name in ("nvidia-nccl-cu12", "nvidia-cudnn-cu12"):
 print(" ".join(found))'
 }
 
+# The project's own modules as bytecode (pip compiles installed packages, not this editable source):
+# where PYTHONDONTWRITEBYTECODE is set (CI machines) every process importing MaxText would
+# otherwise compile its ~50,000 lines again (0.7 s of 2.1 s for `import MaxText.train` here).
+# Stale files are recompiled; a syntax error is left for the import to report.
+byte_compile() {
+  python -m compileall -q MaxText jaxpp_integration tests >/dev/null 2>&1 || true
+}
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   host=gpu
 else
@@ -65,6 +73,7 @@ if [ -f "$stamp" ]; then
     if [ -n "${built_wheels:-}" ]; then
       echo "setup.sh: CUDA libraries: $built_wheels (the NVIDIA driver must support CUDA 12)"
     fi
+    byte_compile
     exit 0
   fi
 fi
@@ -88,4 +97,5 @@ if [ "$backend" = gpu ]; then
   echo "setup.sh: CUDA libraries: ${wheels:-none found} (the NVIDIA driver must support CUDA 12)"
 fi
 echo "$inputs $backend $wheels" >"$stamp"
+byte_compile
 echo "setup.sh: done ($(python -c 'import jax; print("jax", jax.__version__, jax.default_backend())'))"
