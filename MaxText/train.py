@@ -39,7 +39,7 @@ import numpy as np
 
 import jaxpp_integration as jaxpp
 from MaxText import exit_codes, memory, sharding
-from MaxText.checkpoint.manager import Checkpoints
+from MaxText.checkpoint.manager import Checkpoints, check_model_before_compiling
 from MaxText.cluster import devices, gpu_host, xla_flags
 from MaxText.cluster.output_paths import check_run_paths, os_reason
 from MaxText.cluster.preemption import StoppedBeforeStart, StopRequests
@@ -436,6 +436,7 @@ def _main(argv: Sequence[str], stops: StopRequests) -> int:
             allow_cpu_fallback=config.allow_cpu_fallback,
         )
         stops.cluster_started()  # several processes: JAX's preemption notifier takes SIGTERM
+        check_model_before_compiling(config)  # a checkpoint of another model: exit 2 now
         data = _make_data(config)
         # Creates the run's folders: after every config, device and data check (a refused run
         # leaves nothing behind) and before anything is compiled.

@@ -62,6 +62,7 @@ checkpoint where one was asked for.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -225,6 +226,53 @@ def saved_config(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
     finally:
         manager.close()
     raise CheckpointError(f"no readable checkpoint in {directory}")
+
+
+# Where orbax's JSON handler puts a step's `config` item (`<step>/config/metadata`); read directly
+# by `check_model_before_compiling`, which degrades to the restore's check if the layout changes.
+_CONFIG_FILE = ("config", "metadata")
+
+
+def check_model_before_compiling(config: Config) -> None:
+    """The checkpoint the run will start from holds this config's model, or a `ConfigError`
+    (exit 2) before anything is compiled or written: the run's own newest checkpoint with a
+    saved config (with `enable_checkpointing`), else `load_parameters_path`'s.
+
+    It reads this process's view of the files directly (no orbax manager, nothing exchanged
+    between processes, so each process may run it alone), and a checkpoint without a readable
+    config is left to the restore, which checks the model again (`restore.check_model`) and
+    reports damage as it finds it."""
+    paths = [Path(config.checkpoint_dir)] if config.enable_checkpointing else []
+    if config.load_parameters_path:
+        paths.append(Path(config.load_parameters_path))
+    for path in paths:
+        found = _newest_saved_config(path)
+        if found is not None:
+            check_model(found[1], config, found[0])
+            return
+
+
+def _newest_saved_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(step folder, saved config) of the newest step under `path` whose config reads as JSON."""
+    if not path.is_dir():
+        return None
+    location = parameters.locate(path)
+    if location is not None:  # a parameters-only checkpoint: its config file, if it has one
+        with contextlib.suppress(CheckpointError, OSError):
+            saved = parameters.read_config(location)
+            return None if saved is None else (location.root / str(location.step), saved)
+        return None
+    directory, step = find_step_dir(path)
+    if step is None:
+        names = (p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else ()
+        steps = sorted((int(n) for n in names if n.isdigit()), reverse=True)
+    else:
+        steps = [step]
+    for s in steps:
+        with contextlib.suppress(OSError, ValueError):
+            config_file = directory.joinpath(str(s), *_CONFIG_FILE)
+            return directory / str(s), json.loads(config_file.read_text())
+    return None
 
 
 def load_params(
