@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 import pytest  # noqa: E402
+from maxtext_logs import logs  # noqa: E402, F401 (a fixture for every test file)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,10 +16,12 @@ across both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,8 +33,9 @@ import jax
 import numpy as np
 import pytest
 from compare import assert_bitwise as cmp_bitwise
-from compare import assert_close_per_leaf, host, put_like, reordered_sum_rtol
+from compare import assert_close_per_leaf, assert_on_group, host, put_like, reordered_sum_rtol
 from small_model import SMALL_MODEL_SHAPE, SMALL_MODEL_TOKENS, merged
+from trainer_checks import random_batches
 
 from MaxText import generate, sharding
 from MaxText import train as checkpoint_train
@@ -93,36 +96,6 @@ def complete_steps(run_dir: Path) -> list[int]:
 def copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
     """A new run whose only checkpoint is `step` of `src_run`."""
     shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def messages(self, min_level: int = logging.INFO) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno >= min_level]
-
-    def resumes(self) -> list[str]:
-        return [m for m in self.messages() if m.startswith("resuming run")]
-
-    def clear(self):
-        self.records.clear()
-
-
-@pytest.fixture
-def logs():
-    """The MaxText loggers' records (the trainer's "MaxText" logger does not propagate)."""
-    logger = logging.getLogger("MaxText")
-    handler, level = _Lines(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")
@@ -487,6 +460,34 @@ def test_resume_on_another_layout(
     got = losses(tmp_path, "run")
     if rtol == 0.0:
         assert_bitwise(got, full, range(11, 21))
+
+
+@pytest.mark.slow
+def test_fine_tune_state_is_made_where_the_step_reads_it(spmd_full, pp4_reference, tmp_path):
+    """load_parameters_path at pipeline_parallelism=4: the loaded parameters with step 0 and the
+    optimizer's initial state, a fresh state's bit for bit, with no random initialisation; each
+    leaf made only on the groups the step reads it on (layer i's moments on group i, where
+    `init_state` makes all on group 0); its first step is a fresh state's with those parameters."""
+    trainer, src = pp4_reference, spmd_full[0] / "full" / "checkpoints"
+    keys = (*UNROLLED, "pipeline_parallelism=4", f"load_parameters_path={src}")
+    config = load_config(argv(tmp_path, "tune", *keys))
+    fresh = host(trainer.init_state())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "init_state", lambda: pytest.fail("a fine-tune initialised"))
+        with contextlib.closing(checkpointing.Checkpoints(config, trainer)) as ckpt:
+            state = ckpt.restore_or_init(make_data(config))
+    loaded, _ = checkpointing.load_params(src, trainer.abstract_state["params"], config)
+    cmp_bitwise({**fresh, "params": loaded}, host(state), "fine-tune state ")
+    inputs = trainer.train_step.report().inputs
+    for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+        layer = re.search(r"'layers_(\d+)'", jax.tree_util.keystr(path))
+        assert layer is None or inputs[i].groups == (int(layer.group(1)),), path
+        assert_on_group(leaf, trainer.mpmd_mesh, inputs[i].groups)
+    (batch,) = random_batches(config, 1)
+    before = {**trainer.init_state(), "params": put_like(state["params"], loaded)}  # as before
+    want = host(trainer.train_step(before, trainer.put_batch(batch)))
+    got = host(trainer.train_step(state, trainer.put_batch(batch)))
+    cmp_bitwise(want, got, "first step ")
 
 
 # ---------------------------------------------------------------------------- crashes (SIGKILL)

@@ -16,6 +16,8 @@ from the first group holding them, never gathered; under several processes sprea
 first, see `jaxpp.mpmd_to_spmd_reshard`). Restore: `restore_shardings(sources)` tells
 orbax where to read each leaf, and `place(leaves, sources)` turns what it read into what the step
 takes (SPMD: the step's shardings; pipelined: one `MpmdArray` over the groups that read it).
+`make(values, indices)` makes state leaves where the step reads them (a fine-tune's fresh
+optimizer state around loaded parameters).
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ class _SpmdPlacement:
 
     def stack(self, layers: list, j: int) -> Any:
         return _stack_onto(self._shardings[j])(*layers)
+
+    def make(self, values: Any, indices: Sequence[int]) -> list:
+        """State leaves `indices` of `values()` (traced: every state leaf), made in one program
+        directly on the step's shardings."""
+        shardings = [self._shardings[j] for j in indices]
+        return list(jax.jit(lambda: [values()[j] for j in indices], out_shardings=shardings)())
 
 
 class _MpmdPlacement:
@@ -149,6 +157,39 @@ class _MpmdPlacement:
         }
         aval = jax.ShapeDtypeStruct(a.shape, a.dtype)
         return self._MpmdArray(self.mesh, per_group, mpmd_idxs=ranks, aval=aval, spec=spec)
+
+    def programs(self, values: Any, indices: Sequence[int]) -> dict[int, tuple[list, Any]]:
+        """{group: (the leaves of `indices` it holds, the program making them there)}: one
+        program per group of this process holding any of state leaves `indices` of `values()`
+        (traced: every state leaf; XLA keeps only that group's outputs)."""
+        by_group: dict[int, list[int]] = {}
+        for j in indices:
+            for r in self.groups[j]:
+                if r in self.local:
+                    by_group.setdefault(r, []).append(j)
+        out = {}
+        for r, held in sorted(by_group.items()):
+            shardings = [self.mesh.sharding(r, self.specs[j]) for j in held]
+            out[r] = (held, jax.jit(lambda held=held: [values()[j] for j in held],
+                                    out_shardings=shardings))  # fmt: skip
+        return out
+
+    def make(self, values: Any, indices: Sequence[int]) -> list:
+        """State leaves `indices` of `values()`, each made on the groups that read it and
+        nowhere else (`programs`)."""
+        made: dict[int, dict] = {j: {} for j in indices}
+        for r, (held, program) in self.programs(values, indices).items():
+            for j, x in zip(held, program(), strict=True):
+                made[j][r] = x
+        out = []
+        for j in indices:
+            aval = jax.ShapeDtypeStruct(self.abstract[j].shape, self.abstract[j].dtype)
+            out.append(
+                self._MpmdArray(
+                    self.mesh, made[j], mpmd_idxs=self.groups[j], aval=aval, spec=self.specs[j]
+                )
+            )
+        return out
 
 
 # (state leaf index, layer within that stacked leaf or None): where a canonical leaf comes from.

@@ -11,7 +11,8 @@ The loop (`MaxText/train.py`) talks to one `Checkpoints` object:
 
 - `restore_or_init(data)` -> the state to start from: the latest complete, readable checkpoint of
   this run (and the data iterator moved to its position), else the parameters of
-  `load_parameters_path` in a fresh state, else a fresh state. Logs one line naming the step.
+  `load_parameters_path` with step 0 and the optimizer's initial state (each leaf made where the
+  step reads it, no random initialisation), else a fresh state. Logs one line naming the step.
 - `maybe_save(step, state, data, final)` saves every `checkpoint_period` steps and at the last step;
   with `async_checkpointing` the arrays are copied to host memory, then written by a background
   thread while training continues; the next save (and `close()`) waits for the previous one.
@@ -71,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from MaxText.checkpoint import parameters
@@ -351,6 +353,25 @@ def rng_item(config: Config) -> dict[str, Any]:
     }
 
 
+def initial_state_leaves(abstract_state: Any, optimizer: Any) -> Any:
+    """A function of nothing (to trace) giving every leaf of a new run's state in
+    `abstract_state`'s order: step 0, zero parameters, and the optimizer's initial state of them.
+    The optimizers' initial states depend on the parameters' shapes only (zero moments, zero
+    counts: tests/test_fine_tune_state.py checks every `opt_type` against `optimizer.init` of
+    random parameters), so a fine-tune's optimizer state comes from here."""
+    treedef = jax.tree.structure(abstract_state)
+
+    def leaves() -> list:
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_state["params"])
+        state = {"step": jnp.zeros((), jnp.int32), "params": zeros}
+        out, made = jax.tree.flatten({**state, "opt_state": optimizer.init(zeros)})
+        if made != treedef:
+            raise TypeError(f"the optimizer's state is not the trainer's: {made} != {treedef}")
+        return out
+
+    return leaves
+
+
 class Checkpoints:
     """The loop's checkpoint seams for one run (see the module docstring)."""
 
@@ -464,8 +485,7 @@ class Checkpoints:
 
     def _load_parameters(self) -> Any:
         params, restored = self._read_parameters()
-        state = self.trainer.init_state()  # fresh optimizer state and step 0
-        state = {**state, "params": params}
+        state = self._state_around(params)
         log.info(
             "new run %s starts from the parameters of checkpoint step %d (%s)",
             self.config.run_name,
@@ -473,6 +493,23 @@ class Checkpoints:
             restored.directory,
         )
         return state
+
+    def _state_around(self, params: Any) -> Any:
+        """A new run's state holding `params`: step 0 and the optimizer's initial state, each
+        leaf made on the devices the step reads it from (`make`), with no random initialisation
+        (a pipelined `init_state()` makes the whole state on the first group: for Llama 2 70B at
+        pp=8 x fsdp=8 more than an H100 holds, benchmarks/results/init_memory.json)."""
+        abstract = self.trainer.abstract_state
+        is_param = [
+            getattr(path[0], "key", None) == "params"
+            for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]
+        ]
+        others = [j for j, p in enumerate(is_param) if not p]
+        values = initial_state_leaves(abstract, self.trainer.optimizer)
+        made = dict(zip(others, self._placement.make(values, others), strict=True))
+        loaded = iter(jax.tree.leaves(params))
+        leaves = [next(loaded) if p else made[j] for j, p in enumerate(is_param)]
+        return jax.tree.unflatten(self._treedef, leaves)
 
     def _param_indices(self) -> list[int]:
         """Positions of the `params` leaves among the canonical tree's leaves."""
