@@ -45,12 +45,19 @@ class AnnotatedTransformer(nn.Module):
         return x
 
 
+def normal_from(seed: int):
+    """`normal(*shape)`: float32 standard-normal numpy arrays from numpy's generator of `seed`.
+    Test data from numpy: JAX's random programs would be compiled once per shape (about a second
+    each on XLA:CPU)."""
+    rng = np.random.default_rng(seed)
+    return lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+
+
 def transformer_setup(num_layers, num_stages, n_mb, mb_size=2, seed=0):
     model = AnnotatedTransformer(num_layers, num_stages)
-    key = jax.random.PRNGKey(seed)
-    x = jax.random.normal(key, (n_mb, mb_size, SEQ, D_MODEL))
-    y = jax.random.normal(jax.random.fold_in(key, 1), (n_mb, mb_size, SEQ, D_MODEL))
-    params = model.init(key, x[0])["params"]
+    normal = normal_from(seed)
+    x, y = (jnp.asarray(normal(n_mb, mb_size, SEQ, D_MODEL)) for _ in range(2))
+    params = model.init(jax.random.PRNGKey(seed), x[0])["params"]
 
     def loss_fn(p, batch):
         xb, yb = batch
@@ -62,16 +69,16 @@ def transformer_setup(num_layers, num_stages, n_mb, mb_size=2, seed=0):
 def tied_mlp_setup(num_stages, n_mb, vocab=32, width=16, mb_size=4, seed=0, tied=True):
     """An MLP LM whose embedding is used by the first stage (lookup) and the last (logits);
     `tied=False` gives the last stage its own output head instead."""
-    key = jax.random.PRNGKey(seed)
-    keys = jax.random.split(key, num_stages + 2)
+    normal, scale = normal_from(seed), np.float32(1 / np.sqrt(width))
     params = {
-        "embed": jax.random.normal(keys[0], (vocab, width)) * 0.1,
-        "layers": [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[1:-1]],
+        "embed": normal(vocab, width) * np.float32(0.1),
+        "layers": [normal(width, width) * scale for _ in range(num_stages)],
     }
     if not tied:
-        params["head"] = jax.random.normal(jax.random.fold_in(key, 7), (vocab, width)) * 0.1
-    tokens = jax.random.randint(keys[-1], (n_mb, mb_size, 6), 0, vocab)
-    targets = jnp.roll(tokens, -1, axis=-1)
+        params["head"] = normal(vocab, width) * np.float32(0.1)
+    params = jax.tree.map(jnp.asarray, params)
+    tokens = np.random.default_rng(seed + 1).integers(0, vocab, (n_mb, mb_size, 6), np.int32)
+    tokens, targets = jnp.asarray(tokens), jnp.asarray(np.roll(tokens, -1, axis=-1))
 
     def loss_fn(p, batch):
         tok, tgt = batch

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from compare import assert_bitwise, assert_close_per_leaf, host, reordered_sum_rtol
-from engine_models import clipping_sgd, make_step, tied_mlp_setup, transformer_setup
+from engine_models import clipping_sgd, make_step, normal_from, tied_mlp_setup, transformer_setup
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,10 +37,10 @@ from jaxpp_integration.tools.collectives import (
 
 def mlp_setup(num_stages, n_mb, width=16, mb_size=8, seed=0):
     """The issue's measurement model: tanh layers, one marker between stages, mean-squared loss."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), num_stages + 2)
-    params = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[:num_stages]]
-    x = jax.random.normal(keys[-2], (n_mb, mb_size, width))
-    y = jax.random.normal(keys[-1], (n_mb, mb_size, width))
+    normal = normal_from(seed)
+    params = [normal(width, width) / np.float32(np.sqrt(width)) for _ in range(num_stages)]
+    x, y = normal(n_mb, mb_size, width), normal(n_mb, mb_size, width)
+    params, x, y = jax.tree.map(jnp.asarray, (params, x, y))
 
     def loss_fn(p, batch):
         h, t = batch
@@ -56,12 +56,10 @@ def mlp_setup(num_stages, n_mb, width=16, mb_size=8, seed=0):
 def scanned_mlp_setup(num_stages, n_mb, layers=3, width=16, mb_size=8, seed=0):
     """Each stage a `lax.scan` over its stacked [layers, width, width] weights (the trainer's
     default layout): per-layer weight gradients are made inside the backward scan's body."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), num_stages + 2)
-    params = [
-        jax.random.normal(k, (layers, width, width)) / np.sqrt(width) for k in keys[:num_stages]
-    ]
-    x = jax.random.normal(keys[-2], (n_mb, mb_size, width))
-    y = jax.random.normal(keys[-1], (n_mb, mb_size, width))
+    normal = normal_from(seed)
+    params = [normal(layers, width, width) / np.float32(np.sqrt(width)) for _ in range(num_stages)]
+    x, y = normal(n_mb, mb_size, width), normal(n_mb, mb_size, width)
+    params, x, y = jax.tree.map(jnp.asarray, (params, x, y))
 
     def loss_fn(p, batch):
         h, t = batch

@@ -21,7 +21,7 @@ from compare import (
     group_devices,
     reordered_sum_rtol,
 )
-from engine_models import make_step, mpmd_mesh
+from engine_models import make_step, mpmd_mesh, normal_from
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,11 +54,10 @@ def count_backend_compiles():
 
 def uniform_mlp(num_stages, n_mb=4, width=8, rows=2, seed=0):
     """`num_stages` identical tanh layers, a marker between stages, MSE loss."""
-    key = jax.random.PRNGKey(seed)
-    keys = jax.random.split(key, num_stages + 2)
-    params = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[:num_stages]]
-    x = jax.random.normal(keys[-2], (n_mb, rows, width))
-    y = jax.random.normal(keys[-1], (n_mb, rows, width))
+    normal = normal_from(seed)
+    params = [normal(width, width) / np.float32(np.sqrt(width)) for _ in range(num_stages)]
+    x, y = normal(n_mb, rows, width), normal(n_mb, rows, width)
+    params, x, y = jax.tree.map(jnp.asarray, (params, x, y))
 
     def loss_fn(p, batch):
         h, target = batch
