@@ -88,4 +88,6 @@ def test_each_group_makes_only_its_share_at_70b_width(tmp_path):
         # XLA:CPU counts the output tuple's table too: one 8-byte pointer per output
         assert m.output_size_in_bytes == share + 8 * len(held), r
         assert m.temp_size_in_bytes == 0, r
+        # Adam's moments are 2/3 of the state, and each group's about half of them (one layer
+        # and the embedding, or one layer and the head): a third, never the whole 2/3
         assert 0.3 * whole < share < 0.5 * whole, (r, share, whole)
