@@ -156,7 +156,9 @@ def test_two_processes_run_a_schedule_that_receives_out_of_send_order(tmp_path):
     """A user schedule whose second rank runs its forwards in another order than the first
     rank sends their inputs (`swapped` in the worker): every process walks one global
     instruction order, so the cross-process transfers pair up whatever order each rank's list
-    has; bitwise equal to `jax.jit` on one device, as the built-in schedules. Its task programs
+    has; the state bitwise equal to `jax.jit` on one device, as with the built-in schedules, the
+    loss within the bound of its 4 microbatch terms added in the order the second rank runs
+    them (`assert_same_loss` in the worker; bitwise before only by the data's luck). Its programs
     are 1f1b's (the same two stages; only the order differs), so it reads them from the 1f1b
     run's persistent cache when that test ran first (its compiles are not counted)."""
     procs = _launch("swapped", cache_dir=FILLED.get("1f1b", tmp_path))
